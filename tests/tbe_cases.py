@@ -1,0 +1,190 @@
+"""Shared test material: skewed batches, the two oracles (FBGEMM's CPU TBE and the package's
+pure-PyTorch reference), one tolerance table, and a verbose comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+import torchrec_triton_tbe  # noqa: F401  (sets TRITON_INTERPRET before anything defines kernels)
+from torchrec_triton_tbe._fbgemm import (
+    BoundsCheckMode,
+    ComputeDevice,
+    EmbeddingLocation,
+    EmbOptimType,
+    PoolingMode,
+    SparseType,
+)
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops.spec import Optim
+from torchrec_triton_tbe.reference import ReferenceTBE
+
+logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+
+DTYPE = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
+
+# One table: tolerance by the least precise dtype involved (weights or output). fp16 matches FBGEMM's
+# own tests (atol 5e-3, rtol 2e-2); bf16 has 3 fewer mantissa bits than fp16.
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=5e-3, rtol=2e-2),
+    torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+}
+# Row-wise Adagrad state is fp32 whatever the weights; it inherits the gradient's precision.
+STATE_TOLERANCE = {
+    torch.float32: dict(atol=1e-6, rtol=1e-4),
+    torch.float16: dict(atol=1e-4, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-3, rtol=1e-2),
+}
+_RANK = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def tolerance(*dtypes: torch.dtype, table=TOLERANCE) -> dict:
+    return table[max(dtypes, key=_RANK.index)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float, rtol: float) -> None:
+    """assert_close that reports how many elements miss and the worst ones."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert not torch.isnan(a).any(), f"{what}: NaN in result"
+    bad = (a - e).abs() > atol + rtol * e.abs()
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        worst = [(i, a[tuple(i)].item(), e[tuple(i)].item()) for i in idx]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} elements differ beyond atol={atol} rtol={rtol}; "
+            f"max |diff| {float((a - e).abs().max()):.3e}; first (index, got, expected): {worst}"
+        )
+
+
+@dataclasses.dataclass
+class Batch:
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    per_sample_weights: Optional[torch.Tensor]
+    B: int
+
+
+def skewed_batch(
+    rows: Sequence[int],
+    feature_table_map: Sequence[int],
+    B: int,
+    max_L: int,
+    generator: torch.Generator,
+    weighted: bool = False,
+    index_dtype: torch.dtype = torch.int64,
+    hot_fraction: float = 0.3,
+    min_L: int = 0,
+) -> Batch:
+    """Heavy-tailed ids: a hot row per table (FBGEMM's long_segments: x[:, 0] = 0 style) takes
+    ``hot_fraction`` of the lookups, the rest follow a power law rows * u^3, so a few rows repeat
+    many times and most appear once. Bag lengths are uniform in [min_L, max_L] (empty bags included)."""
+    T = len(feature_table_map)
+    lengths = torch.randint(min_L, max_L + 1, (T * B,), generator=generator)
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    ids = []
+    for t, k in enumerate(feature_table_map):
+        n = int(lengths[t * B : (t + 1) * B].sum())
+        u = torch.rand(n, generator=generator)
+        tail = (rows[k] * u**3).long().clamp(max=rows[k] - 1)
+        hot = torch.rand(n, generator=generator) < hot_fraction
+        ids.append(torch.where(hot, torch.zeros_like(tail), tail))
+    indices = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+    psw = torch.rand(indices.numel(), generator=generator) + 0.5 if weighted else None
+    return Batch(indices.to(index_dtype), offsets.to(index_dtype), psw, B)
+
+
+def make_pair(
+    specs: Sequence[tuple[int, int]],
+    feature_table_map: Optional[Sequence[int]] = None,
+    oracle: str = "fbgemm",
+    seed: int = 0,
+    **kwargs,
+):
+    """A TritonTBE and an oracle (FBGEMM CPU TBE or ReferenceTBE) with identical initial weights."""
+    ours = TritonTBE(list(specs), feature_table_map=feature_table_map, device="cpu", **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    for w in ours.split_embedding_weights():
+        w.copy_((torch.rand(w.shape, generator=g) * 2 - 1).to(w.dtype))
+    ftm = ours.feature_table_map
+    if oracle == "fbgemm":
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        fb_kwargs = {k: v for k, v in kwargs.items() if k not in ("kernel_config", "fused_bounds_check", "hoist_transpose")}
+        other = SplitTableBatchedEmbeddingBagsCodegen(
+            [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in specs],
+            feature_table_map=list(ftm),
+            **fb_kwargs,
+        )
+        for a, b in zip(ours.split_embedding_weights(), other.split_embedding_weights()):
+            b.copy_(a)
+    else:
+        other = ReferenceTBE(
+            ours.split_embedding_weights(),
+            ftm,
+            mean=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.MEAN,
+            optimizer=Optim.EXACT_ROWWISE_ADAGRAD
+            if kwargs.get("optimizer") == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+            else Optim.EXACT_SGD,
+            learning_rate=kwargs.get("learning_rate", 0.01),
+            eps=kwargs.get("eps", 1e-8),
+            output_dtype=DTYPE[kwargs.get("output_dtype", SparseType.FP32)],
+        )
+    return ours, other
+
+
+def fbgemm_supports(weights: SparseType, output: SparseType, pooling: PoolingMode, weighted: bool, ftm) -> bool:
+    """Combinations FBGEMM 1.9.0's CPU TBE computes correctly (found while writing these tests, each
+    checked against the pure-PyTorch reference): no BF16 weights or outputs ('not implemented for
+    BFloat16'); weighted MEAN's backward omits the 1/L its forward applies; a feature_table_map that is
+    not non-decreasing breaks FP16 forward ('Index ... is out of bounds') and the backward of every
+    precision (updates land on the wrong rows)."""
+    if SparseType.BF16 in (weights, output):
+        return False
+    if pooling == PoolingMode.MEAN and weighted:
+        return False
+    if list(ftm) != sorted(ftm):
+        return False
+    return True
+
+
+def oracle_step(other, batch: Batch, grad: torch.Tensor):
+    """One forward + backward (+ optimizer) on either oracle; returns the forward output."""
+    if isinstance(other, ReferenceTBE):
+        out64 = other.forward(batch.indices, batch.offsets, batch.per_sample_weights)
+        out64.backward(grad.double())
+        other.step()
+        return other.output(out64)
+    out = other(batch.indices.clone(), batch.offsets.clone(), batch.per_sample_weights)
+    out.backward(grad)
+    return out
+
+
+def oracle_state(other):
+    """(weights per table, row-wise state per table or [])."""
+    if isinstance(other, ReferenceTBE):
+        return other.tables, (other.momentum if other.optimizer == Optim.EXACT_ROWWISE_ADAGRAD else [])
+    return other.split_embedding_weights(), [s[0] for s in other.split_optimizer_states()]
+
+
+def assert_both_paths(stats: dict) -> None:
+    assert stats["short_runs"] > 0, f"short-run path did not run: {stats}"
+    assert stats["long_runs"] > 0 and stats["long_chunks"] > stats["long_runs"], (
+        f"long-run (split-K) path did not run with several chunks: {stats}"
+    )
+
+
+__all__ = [
+    "BoundsCheckMode",
+    "EmbOptimType",
+    "PoolingMode",
+    "SparseType",
+    "TritonTBE",
+]

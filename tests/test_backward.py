@@ -1,0 +1,186 @@
+"""Training against the oracles: weights and optimizer state after several steps, per-sample-weight
+gradients, feature_requires_grad; every test uses skewed ids and asserts both backward paths ran."""
+
+import itertools
+
+import pytest
+import torch
+
+from tbe_cases import (
+    STATE_TOLERANCE,
+    DTYPE,
+    EmbOptimType,
+    PoolingMode,
+    SparseType,
+    assert_both_paths,
+    assert_close,
+    fbgemm_supports,
+    make_pair,
+    oracle_state,
+    oracle_step,
+    skewed_batch,
+    tolerance,
+)
+
+# Mixed D (two BLOCK_D buckets, one width not a power of two) and a table shared by two features.
+SPECS = [(40, 8), (30, 12), (25, 16)]
+FTM = [0, 1, 1, 2]
+STEPS = 3
+
+CASES = list(
+    itertools.product(
+        [PoolingMode.SUM, PoolingMode.MEAN],
+        [False, True],
+        [SparseType.FP32, SparseType.FP16, SparseType.BF16],
+        [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD],
+        [torch.int64, torch.int32],
+    )
+)
+
+
+def _id(case):
+    pm, weighted, wp, opt, it = case
+    return f"{pm.name}-{'weighted' if weighted else 'plain'}-{wp.name}-{opt.name}-{str(it)[6:]}"
+
+
+def train_and_compare(specs, ftm, pooling, weighted, weights, optimizer, index_dtype, output=SparseType.FP32, seed=0):
+    oracle = "fbgemm" if fbgemm_supports(weights, output, pooling, weighted, ftm) else "reference"
+    kwargs = dict(
+        pooling_mode=pooling,
+        weights_precision=weights,
+        output_dtype=output,
+        optimizer=optimizer,
+        learning_rate=0.2,
+        eps=0.1,
+        stochastic_rounding=False,
+        embedding_table_index_type=index_dtype,
+        embedding_table_offset_type=index_dtype,
+    )
+    ours, other = make_pair(specs, ftm, oracle=oracle, seed=seed, **kwargs)
+    ours.collect_backward_stats = True
+    g = torch.Generator().manual_seed(seed + 1)
+    wdt, odt = DTYPE[weights], DTYPE[output]
+    for step in range(STEPS):
+        batch = skewed_batch([r for r, _ in specs], ftm, B=5, max_L=6, generator=g, weighted=weighted,
+                             index_dtype=index_dtype)
+        out = ours(batch.indices, batch.offsets, batch.per_sample_weights)
+        grad = torch.randn(out.shape, generator=g).to(out.dtype)
+        ref_out = oracle_step(other, batch, grad)
+        assert_close(out, ref_out, f"[{oracle}] forward step {step}", **tolerance(wdt, odt))
+        out.backward(grad)
+        assert_both_paths(ours.backward_stats())
+    ref_w, ref_m = oracle_state(other)
+    for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), ref_w)):
+        assert_close(a, b, f"[{oracle}] table {t} weights after {STEPS} steps", **tolerance(wdt, odt))
+    ours_m = [s[0] for s in ours.split_optimizer_states()]
+    assert len(ours_m) == len(ref_m)
+    for t, (a, b) in enumerate(zip(ours_m, ref_m)):
+        assert_close(a, b, f"[{oracle}] table {t} momentum", **tolerance(wdt, odt, table=STATE_TOLERANCE))
+    return ours
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_training_matches_oracle(case):
+    pooling, weighted, weights, optimizer, index_dtype = case
+    train_and_compare(SPECS, FTM, pooling, weighted, weights, optimizer, index_dtype)
+
+
+@pytest.mark.parametrize("output", [SparseType.FP16, SparseType.BF16])
+def test_training_low_precision_outputs(output):
+    train_and_compare(SPECS, FTM, PoolingMode.SUM, True, SparseType.FP16, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                      torch.int64, output=output)
+
+
+def test_shared_tables_in_any_order():
+    # Features 0 and 3 share table 0 and are not adjacent: their gradients must merge into one run.
+    train_and_compare(SPECS, [0, 1, 2, 0], PoolingMode.SUM, False, SparseType.FP32,
+                      EmbOptimType.EXACT_ROWWISE_ADAGRAD, torch.int64)
+
+
+def test_one_update_per_row_not_per_lookup():
+    # The section-5 trap: a per-lookup Adagrad would differ from one step with the summed gradient.
+    ours, ref = make_pair([(4, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          learning_rate=0.5, eps=1e-8)
+    ours.collect_backward_stats = True
+    indices = torch.zeros(6, dtype=torch.int64)  # one bag, row 0 six times
+    offsets = torch.tensor([0, 6])
+    grad = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    ours(indices, offsets).backward(grad)
+    out64 = ref.forward(indices, offsets)
+    out64.backward(grad.double())
+    ref.step()
+    assert_close(ours.split_embedding_weights()[0], ref.tables[0], "row 0", atol=1e-6, rtol=1e-6)
+    assert ours.backward_stats()["runs"] == 1
+
+
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
+@pytest.mark.parametrize("weights", [SparseType.FP32, SparseType.FP16])
+def test_per_sample_weight_gradient(pooling, weights):
+    specs, ftm = SPECS, FTM
+    oracle = "fbgemm" if fbgemm_supports(weights, SparseType.FP32, pooling, True, ftm) else "reference"
+    ours, other = make_pair(specs, ftm, oracle=oracle, pooling_mode=pooling, weights_precision=weights,
+                            learning_rate=0.0)
+    g = torch.Generator().manual_seed(3)
+    batch = skewed_batch([r for r, _ in specs], ftm, B=4, max_L=5, generator=g, weighted=True)
+    psw = batch.per_sample_weights.clone().requires_grad_(True)
+    out = ours(batch.indices, batch.offsets, psw)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    if oracle == "fbgemm":
+        psw_ref = batch.per_sample_weights.clone().requires_grad_(True)
+        other(batch.indices.clone(), batch.offsets.clone(), psw_ref).backward(grad)
+        expected = psw_ref.grad
+    else:
+        expected = other.psw_grad(batch.indices, batch.offsets, batch.per_sample_weights, grad)
+    assert_close(psw.grad, expected, f"[{oracle}] d out / d psw", **tolerance(DTYPE[weights]))
+
+
+def test_per_sample_weight_gradient_fp16_weights_given():
+    ours, ref = make_pair(SPECS, FTM, oracle="reference", weights_precision=SparseType.FP16, learning_rate=0.0)
+    g = torch.Generator().manual_seed(4)
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B=3, max_L=4, generator=g, weighted=True)
+    psw = batch.per_sample_weights.half().requires_grad_(True)
+    out = ours(batch.indices, batch.offsets, psw)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    assert psw.grad.dtype == torch.float16
+    expected = ref.psw_grad(batch.indices, batch.offsets, psw.detach().float(), grad)
+    assert_close(psw.grad, expected, "fp16 psw grad", **tolerance(torch.float16))
+
+
+def test_feature_requires_grad_masks_psw_gradient():
+    ours, ref = make_pair(SPECS, FTM, oracle="reference", learning_rate=0.0)
+    g = torch.Generator().manual_seed(5)
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B=3, max_L=4, generator=g, weighted=True, min_L=1)
+    psw = batch.per_sample_weights.clone().requires_grad_(True)
+    mask = torch.tensor([1, 0, 1, 0])
+    out = ours(batch.indices, batch.offsets, psw, mask)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    expected = ref.psw_grad(batch.indices, batch.offsets, batch.per_sample_weights, grad)
+    B = batch.B
+    for t in range(len(FTM)):
+        lo, hi = int(batch.offsets[t * B]), int(batch.offsets[(t + 1) * B])
+        want = expected[lo:hi] if mask[t] else torch.zeros(hi - lo, dtype=torch.float64)
+        assert_close(psw.grad[lo:hi], want, f"feature {t} psw grad (mask {int(mask[t])})", atol=1e-5, rtol=1e-5)
+    assert (psw.grad[int(batch.offsets[B]) : int(batch.offsets[2 * B])] == 0).all()
+
+
+def test_stochastic_rounding_is_unbiased_and_close():
+    # fp16 weights with SR: every step's result within one fp16 ulp of the fp32 update, and the mean
+    # over many rows of (stored - exact) near zero (round-to-nearest would show no spread at all).
+    rows, D = 64, 16
+    ours, ref = make_pair([(rows, D)], oracle="reference", weights_precision=SparseType.FP16,
+                          stochastic_rounding=True, learning_rate=1e-3)
+    indices = torch.arange(rows)
+    offsets = torch.arange(rows + 1)
+    grad = torch.full((rows, D), 0.3)
+    before = ours.split_embedding_weights()[0].float().clone()
+    ours(indices, offsets).backward(grad)
+    exact = before - 1e-3 * 0.3
+    stored = ours.split_embedding_weights()[0].float()
+    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp(min=2**-14) * 2
+    err = stored - exact
+    assert (err.abs() <= ulp).all()
+    assert err.abs().max() > 0
+    assert abs(float((err / ulp).mean())) < 0.1

@@ -1,0 +1,218 @@
+"""Ahead-of-time gate: lower the kernels the module launches to cubin for GPUs this machine lacks.
+
+    TRITON_INTERPRET=0 python -m torchrec_triton_tbe.aot [--targets 90,100] [--full] [--json out.json]
+
+How the specializations are found: the module itself is driven (forward + backward, on CPU tensors)
+over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, both
+optimizers, stochastic rounding, every bounds-check mode with and without the fused check, the
+transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 to 2048 with and
+without padding — while ``JITFunction.run`` is replaced by a recorder. Each launch yields one
+specialization: kernel, argument types, constexpr values and num_warps (what Triton compiles on).
+
+What is compiled: by default a covering set — every kernel with every value of every argument type,
+constexpr and num_warps at least once (about a hundred specializations per target), with the module
+driven over the full product of its dtype/pooling/optimizer/rounding options and a rotating slice of
+the bounds/fused/hoist/index/psw options. ``--full`` drives the full option product and compiles every
+distinct specialization recorded (about twenty thousand; many hours on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from torchrec_triton_tbe import _env
+
+_TORCH_TO_TRITON = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+    torch.int8: "i8",
+}
+
+
+def _arg_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TORCH_TO_TRITON[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {value!r}")
+
+
+@contextmanager
+def recording() -> Iterator[dict]:
+    """Replace kernel launches by a record of (kernel, signature, constexprs, num_warps)."""
+    from triton.runtime.jit import JITFunction
+
+    seen: dict = {}
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        num_warps = kwargs.pop("num_warps", 4)
+        params = [p for p in self.params]
+        bound = dict(zip([p.name for p in params], args))
+        bound.update(kwargs)
+        signature, constexprs = {}, {}
+        for p in params:
+            value = bound[p.name]
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = value
+            else:
+                signature[p.name] = _arg_type(value)
+        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps)
+        seen.setdefault(key, (self, signature, constexprs, num_warps))
+
+    JITFunction.run = record
+    previous = _env.RECORD_LAUNCHES
+    _env.RECORD_LAUNCHES = True
+    try:
+        yield seen
+    finally:
+        JITFunction.run = original
+        _env.RECORD_LAUNCHES = previous
+
+
+def _layouts() -> list[list[tuple[int, int]]]:
+    pow2 = [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    odd = [3, 6, 12, 20, 36, 72, 160, 320, 640, 1280]
+    return [[(7, d) for d in pow2], [(7, d) for d in odd]]
+
+
+def drive_module(exhaustive: bool = False) -> dict:
+    """Run forward + backward of the module under every option combination, recording launches."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+    from torchrec_triton_tbe.module import TritonTBE
+
+    dtypes = [SparseType.FP32, SparseType.FP16, SparseType.BF16]
+    optims = [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+    bounds = [BoundsCheckMode.FATAL, BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE, BoundsCheckMode.NONE]
+    psw_dtypes = [None, torch.float32, torch.float16, torch.bfloat16]
+    with recording() as seen:
+        for layout in _layouts():
+            T = len(layout)
+            B = 2
+            lengths = torch.tensor([1, 2] * T)
+            offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+            offsets[1:] = lengths.cumsum(0)
+            indices = torch.tensor([0, 1, 2] * T, dtype=torch.int64)
+            outer = list(
+                itertools.product(dtypes, dtypes, optims, [PoolingMode.SUM, PoolingMode.MEAN], [False, True])
+            )
+            inner = list(
+                itertools.product(bounds, [False, True], [False, True], [torch.int64, torch.int32], psw_dtypes)
+            )
+            for i, (wp, od, opt, pm, sr) in enumerate(outer):
+                # Every option pair of the outer product meets a rotating slice of the inner one (the
+                # whole of it at i == 0); ``exhaustive`` runs the full product instead.
+                mine = inner if exhaustive or i == 0 else [inner[(i * 7 + j) % len(inner)] for j in range(8)]
+                for bc, fused, hoist, idx_t, psw_t in mine:
+                    m = TritonTBE(
+                        layout,
+                        weights_precision=wp,
+                        output_dtype=od,
+                        optimizer=opt,
+                        pooling_mode=pm,
+                        stochastic_rounding=sr,
+                        bounds_check_mode=bc,
+                        device="cpu",
+                        fused_bounds_check=fused,
+                        hoist_transpose=hoist,
+                        embedding_table_index_type=idx_t,
+                    )
+                    psw = None if psw_t is None else torch.ones(indices.numel(), dtype=psw_t, requires_grad=True)
+                    try:
+                        out = m(indices.clone(), offsets.clone(), psw)
+                    except ValueError:
+                        continue  # FATAL reads uninitialised kernel outputs while recording
+                    out.backward(torch.ones_like(out))
+    return seen
+
+
+def covering_set(seen: dict) -> list:
+    """Specializations such that every (kernel, axis, value) recorded appears at least once."""
+    chosen, covered = [], set()
+    for key, spec in sorted(seen.items(), key=lambda kv: repr(kv[0])):
+        name, sig, consts, warps = key
+        items = {(name, "sig", a, t) for a, t in sig} | {(name, "const", a, repr(v)) for a, v in consts}
+        items.add((name, "num_warps", warps))
+        if not items <= covered:
+            chosen.append(spec)
+            covered |= items
+    return chosen
+
+
+def compile_all(specs: list, targets: list[int]) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = []
+    for fn, signature, constexprs, num_warps in specs:
+        for cc in targets:
+            t0 = time.time()
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+            ptx = compiled.asm["ptx"]
+            results.append(
+                {
+                    "kernel": fn.fn.__name__,
+                    "target": f"sm_{cc}",
+                    "constexprs": {k: v if isinstance(v, (int, bool)) else repr(v) for k, v in constexprs.items()},
+                    "signature": {k: v for k, v in signature.items() if v != "constexpr"},
+                    "num_warps": num_warps,
+                    "cubin_bytes": len(compiled.asm["cubin"]),
+                    "atomics_in_ptx": ptx.count("atom.global") + ptx.count("red.global"),
+                    "seconds": round(time.time() - t0, 2),
+                }
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default="90,100", help="compute capabilities, comma separated")
+    ap.add_argument("--full", action="store_true", help="compile every recorded specialization")
+    ap.add_argument("--json", help="write the per-kernel report here")
+    args = ap.parse_args(argv)
+    if _env.interpreting():
+        print("aot: run with TRITON_INTERPRET=0 (kernels must be compiled, not interpreted)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    seen = drive_module(exhaustive=args.full)
+    specs = list(seen.values()) if args.full else covering_set(seen)
+    targets = [int(x) for x in args.targets.split(",")]
+    print(f"aot: {len(seen)} distinct specializations recorded; compiling {len(specs)} for {targets}", flush=True)
+    results = compile_all(specs, targets)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    by_kernel: dict = {}
+    for r in results:
+        k = by_kernel.setdefault((r["kernel"], r["target"]), [0, 0])
+        k[0] += 1
+        k[1] = max(k[1], r["atomics_in_ptx"])
+    for (kernel, target), (n, atomics) in sorted(by_kernel.items()):
+        print(f"{target:7s} {kernel:34s} {n:4d} cubins   max atomics in ptx: {atomics}")
+    print(f"aot: {len(results)} cubins in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

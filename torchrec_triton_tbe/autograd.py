@@ -1,0 +1,76 @@
+"""The one autograd.Function: forward pools, backward folds the gradient into the weights.
+
+The weights are not autograd inputs: like FBGEMM, the optimizer is fused into backward, which
+updates weights and optimizer state in place and returns no weight gradient. A zero-size
+``placeholder`` that requires grad makes autograd call backward even when nothing else needs a
+gradient; the per-sample-weight gradient is returned when they require one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from torchrec_triton_tbe.ops import backward as bwd_ops
+from torchrec_triton_tbe.ops import forward as fwd_ops
+from torchrec_triton_tbe.ops import transpose as transpose_ops
+from torchrec_triton_tbe.ops.spec import TBESpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupCall:
+    """One call's static inputs: the module's launch spec, its mutable tensors, the batch size and
+    where to report backward run statistics (``None``: don't collect them)."""
+
+    spec: TBESpec
+    state: bwd_ops.OptimizerTensors
+    B: int
+    warning: torch.Tensor
+    on_runs: Optional[Callable[[transpose_ops.RunPlan], None]] = None
+
+
+class TBEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        placeholder: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor],
+        feature_requires_grad: Optional[torch.Tensor],
+        call: LookupCall,
+    ) -> torch.Tensor:
+        spec = call.spec
+        out = fwd_ops.pooled_forward(
+            spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning
+        )
+        # Hoisted transpose: sort + run-length encode now (forward is often off the critical path
+        # of the backward's communication), carried to backward on ctx.
+        ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B) if spec.hoist_transpose else None
+        ctx.call = call
+        ctx.save_for_backward(indices, offsets, per_sample_weights, feature_requires_grad)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
+        call: LookupCall = ctx.call
+        spec, state = call.spec, call.state
+        grad_out = grad_out.contiguous()
+        grad_psw = None
+        if ctx.needs_input_grad[3]:
+            grad_psw = bwd_ops.psw_grad(
+                spec, state.weights, indices, offsets, grad_out, call.B, feature_requires_grad
+            ).to(per_sample_weights.dtype)
+        runs = ctx.runs if ctx.runs is not None else transpose_ops.build_runs(spec, indices, offsets, call.B)
+        ctx.runs = None
+        bwd_ops.fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, call.B)
+        state.step.add_(1)
+        if call.on_runs is not None:
+            call.on_runs(runs)
+        return None, None, None, grad_psw, None, None
+
+
+table_batched_embedding_bag = TBEFunction.apply

@@ -1,0 +1,183 @@
+"""Kernel tuning knobs, loaded from ``configs/<target>.yaml``.
+
+Knobs change speed, never results: gather width, bags per program and warps for the forward; the
+short/long run threshold, the long-run chunk, gather width, warps and persistent-grid size for the
+backward. Per-``BLOCK_D`` values are looked up with :meth:`KnobTable.get` (exact key, else ``default``).
+
+Target selection (:func:`load_config`): an explicit ``KernelConfig`` or file path wins; else the
+environment variable ``TORCHREC_TRITON_TBE_CONFIG`` (a target name such as ``sm90`` or a path); else
+``interpreter`` under ``TRITON_INTERPRET=1`` and ``sm<major><minor>`` of the device on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import yaml
+
+from torchrec_triton_tbe import _env
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobTable:
+    """An int knob keyed by BLOCK_D, with a default."""
+
+    default: int
+    by_block_d: tuple[tuple[int, int], ...] = ()
+
+    def get(self, block_d: int) -> int:
+        return dict(self.by_block_d).get(block_d, self.default)
+
+    @staticmethod
+    def parse(value: Union[int, Mapping[Any, int]], name: str) -> "KnobTable":
+        if isinstance(value, int):
+            return KnobTable(value)
+        if "default" not in value:
+            raise ValueError(f"config knob {name!r} needs a 'default' entry, got {dict(value)}")
+        pairs = tuple(sorted((int(k), int(v)) for k, v in value.items() if k != "default"))
+        return KnobTable(int(value["default"]), pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    bags_per_program: int
+    gather: KnobTable
+    num_warps: KnobTable
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    short_threshold: int  # runs with at least this many lookups take the long (split-K) path
+    long_chunk: int  # lookups per split-K chunk of a long run
+    gather: KnobTable
+    num_warps: KnobTable
+    programs: int  # persistent grid size when programs_per_sm == 0
+    programs_per_sm: int
+
+    def grid_programs(self, device: torch.device) -> int:
+        if self.programs_per_sm > 0 and device.type == "cuda":
+            return self.programs_per_sm * _sm_count(device)
+        return max(1, self.programs)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    target: str
+    tuned: bool
+    forward: ForwardConfig
+    backward: BackwardConfig
+    source: str = ""
+
+    def replace_backward(self, **changes: int) -> "KernelConfig":
+        """A copy with some backward knobs changed (routing sweeps, tuning)."""
+        return dataclasses.replace(self, backward=dataclasses.replace(self.backward, **changes))
+
+    def replace_forward(self, **changes: Any) -> "KernelConfig":
+        return dataclasses.replace(self, forward=dataclasses.replace(self.forward, **changes))
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], source: str = "") -> "KernelConfig":
+        f, b = d["forward"], d["backward"]
+        cfg = KernelConfig(
+            target=str(d["target"]),
+            tuned=bool(d.get("tuned", False)),
+            forward=ForwardConfig(
+                bags_per_program=int(f["bags_per_program"]),
+                gather=KnobTable.parse(f["gather"], "forward.gather"),
+                num_warps=KnobTable.parse(f["num_warps"], "forward.num_warps"),
+            ),
+            backward=BackwardConfig(
+                short_threshold=int(b["short_threshold"]),
+                long_chunk=int(b["long_chunk"]),
+                gather=KnobTable.parse(b["gather"], "backward.gather"),
+                num_warps=KnobTable.parse(b["num_warps"], "backward.num_warps"),
+                programs=int(b.get("programs", 0)),
+                programs_per_sm=int(b.get("programs_per_sm", 0)),
+            ),
+            source=source,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def pow2(x: int) -> bool:
+            return x > 0 and x & (x - 1) == 0
+
+        problems = []
+        if self.forward.bags_per_program < 1:
+            problems.append("forward.bags_per_program must be >= 1")
+        for name, table in [
+            ("forward.gather", self.forward.gather),
+            ("forward.num_warps", self.forward.num_warps),
+            ("backward.gather", self.backward.gather),
+            ("backward.num_warps", self.backward.num_warps),
+        ]:
+            for v in [table.default] + [v for _, v in table.by_block_d]:
+                if not pow2(v):
+                    problems.append(f"{name} values must be powers of two, got {v}")
+        if self.backward.short_threshold < 1:
+            problems.append("backward.short_threshold must be >= 1")
+        if self.backward.long_chunk < 1:
+            problems.append("backward.long_chunk must be >= 1")
+        if problems:
+            raise ValueError(f"invalid kernel config {self.source or self.target}: " + "; ".join(problems))
+
+
+def config_dir() -> Path:
+    """``configs/`` of a source checkout, else the copy installed inside the package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "configs", here / "configs"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"no configs/ directory next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_file(path: str) -> KernelConfig:
+    with open(path) as fh:
+        return KernelConfig.from_dict(yaml.safe_load(fh), source=path)
+
+
+def load_named(name_or_path: str) -> KernelConfig:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        return _load_file(str(p.resolve()))
+    path = config_dir() / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel config named {name_or_path!r} (looked for {path})")
+    return _load_file(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_target(device: torch.device) -> str:
+    if _env.interpreting() or device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def load_config(device: torch.device, override: Optional[Union[str, KernelConfig]] = None) -> KernelConfig:
+    if isinstance(override, KernelConfig):
+        return override
+    name = override or os.environ.get("TORCHREC_TRITON_TBE_CONFIG") or default_target(device)
+    try:
+        return load_named(name)
+    except FileNotFoundError:
+        if override is not None or "TORCHREC_TRITON_TBE_CONFIG" in os.environ:
+            raise
+        warnings.warn(
+            f"torchrec_triton_tbe: no tuned kernel config for {name}; using sm90's values "
+            f"(correct, possibly slow). Add configs/{name}.yaml to tune for this GPU.",
+            stacklevel=3,
+        )
+        return load_named("sm90")

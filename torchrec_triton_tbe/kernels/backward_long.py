@@ -1,0 +1,160 @@
+"""Backward, long runs: split-K. A run of L >= threshold lookups is cut into cdiv(L, CHUNK) chunks;
+one program reduces one chunk into its own row of a fp32 partials workspace (plain store, no
+atomics), then an apply pass reduces each run's partials in chunk order and applies the optimizer
+once. Deterministic: the reduction order depends only on the data, never on scheduling.
+
+Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
+per long run one row read + written and 8 B of row-wise state.
+"""
+
+import triton
+import triton.language as tl
+
+from torchrec_triton_tbe.kernels.grad_gather import gather_grad_sum, run_row
+from torchrec_triton_tbe.kernels.optim import apply_row_update
+
+
+@triton.jit
+def _backward_long_partials_kernel(
+    partials_ptr,
+    grad_out_ptr,
+    perm_ptr,
+    bags_ptr,
+    offsets_ptr,
+    psw_ptr,
+    run_start_ptr,
+    chunk_run_ptr,
+    run_chunk_begin_ptr,
+    bucket_chunk_bounds_ptr,
+    feature_out_offset_ptr,
+    feature_dim_ptr,
+    bucket,
+    B,
+    total_D,
+    chunk,
+    partial_stride,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GATHER: tl.constexpr,
+    NPROG: tl.constexpr,
+):
+    """
+    partials_ptr: [max_chunks, partial_stride] fp32 workspace; chunk c writes row c.
+    chunk_run_ptr: [max_chunks] run of each chunk. run_chunk_begin_ptr: [N + 1] first chunk of each
+    run (exclusive prefix sum of chunks per run; short runs have none).
+    bucket_chunk_bounds_ptr: [K + 1] chunks of bucket k are [bounds[k], bounds[k+1]).
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    # 64-bit loop counters: chunk * partial_stride may pass 2^31.
+    c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
+    c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
+    for c in range(c_begin + pid, c_end, NPROG):
+        r = tl.load(chunk_run_ptr + c)
+        first_chunk = tl.load(run_chunk_begin_ptr + r)
+        s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
+        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+        if EVEN_D:
+            cmask = cols < BLOCK_D
+        else:
+            pos = tl.load(perm_ptr + s)
+            cmask = cols < tl.load(feature_dim_ptr + tl.load(bags_ptr + pos) // B)
+        partial = gather_grad_sum(
+            grad_out_ptr,
+            perm_ptr,
+            bags_ptr,
+            offsets_ptr,
+            psw_ptr,
+            feature_out_offset_ptr,
+            s,
+            e,
+            B,
+            total_D,
+            cols,
+            cmask,
+            POOLING_MEAN,
+            WEIGHTED,
+            BLOCK_D,
+            GATHER,
+        )
+        tl.store(partials_ptr + c * partial_stride + cols, partial, mask=cmask)
+
+
+@triton.jit
+def _backward_long_apply_kernel(
+    weights_ptr,
+    momentum_ptr,
+    lr_ptr,
+    seed_ptr,
+    partials_ptr,
+    sorted_keys_ptr,
+    perm_ptr,
+    bags_ptr,
+    run_start_ptr,
+    chunk_run_ptr,
+    run_chunk_begin_ptr,
+    bucket_chunk_bounds_ptr,
+    feature_key_offset_ptr,
+    feature_weight_offset_ptr,
+    feature_row_offset_ptr,
+    feature_dim_ptr,
+    bucket,
+    B,
+    partial_stride,
+    eps,
+    OPTIM: tl.constexpr,
+    SR_DROP_BITS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NPROG: tl.constexpr,
+):
+    """The program that meets a run's first chunk sums all of that run's partials in chunk order and
+    applies the optimizer; programs meeting other chunks move on. Runs only after the partials kernel
+    has finished (stream order), so every partial has landed."""
+    pid = tl.program_id(0)
+    lr = tl.load(lr_ptr)
+    seed = tl.load(seed_ptr)
+    cols = tl.arange(0, BLOCK_D)
+    # 64-bit loop counters: chunk * partial_stride may pass 2^31.
+    c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
+    c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
+    for c in range(c_begin + pid, c_end, NPROG):
+        r = tl.load(chunk_run_ptr + c)
+        first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+        if c == first_chunk:
+            last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
+            s = tl.load(run_start_ptr + r).to(tl.int64)
+            w_row, state_row, D = run_row(
+                sorted_keys_ptr,
+                perm_ptr,
+                bags_ptr,
+                feature_key_offset_ptr,
+                feature_weight_offset_ptr,
+                feature_row_offset_ptr,
+                feature_dim_ptr,
+                s,
+                B,
+            )
+            if EVEN_D:
+                cmask = cols < BLOCK_D
+            else:
+                cmask = cols < D
+            grad = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for k in range(first_chunk, last_chunk):
+                grad += tl.load(partials_ptr + k * partial_stride + cols, mask=cmask, other=0.0)
+            apply_row_update(
+                weights_ptr + w_row,
+                momentum_ptr + state_row,
+                grad,
+                cols,
+                cmask,
+                D,
+                lr,
+                eps,
+                seed,
+                (state_row * BLOCK_D).to(tl.int32),
+                OPTIM,
+                SR_DROP_BITS,
+            )

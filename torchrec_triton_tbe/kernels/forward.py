@@ -1,0 +1,105 @@
+"""Pooled forward: gather rows, scale by per-sample weights, pool per bag (SUM or MEAN).
+
+Byte accounting per lookup (weights of E bytes/element, D wide, output of O bytes/element):
+    read  D*E (the row) + idx bytes (4 or 8) [+ 4 psw]
+per bag: read 2 offsets; write D*O.
+The row reads dominate (FBGEMM's byte model counts rows + outputs only), so the kernel's job is to
+keep enough independent row loads in flight: GATHER rows per iteration, each a [GATHER, BLOCK_D]
+tile whose addresses depend on one index load.
+"""
+
+import triton
+import triton.language as tl
+
+from torchrec_triton_tbe.kernels.bounds import repair_indices
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF
+
+
+@triton.jit
+def _pooled_forward_kernel(
+    weights_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    out_ptr,
+    bucket_features_ptr,
+    feature_dim_ptr,
+    feature_weight_offset_ptr,
+    feature_out_offset_ptr,
+    feature_rows_ptr,
+    warning_ptr,
+    B,
+    total_D,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BOUNDS_MODE: tl.constexpr,
+    ACC_FP64: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GATHER: tl.constexpr,
+    BAGS: tl.constexpr,
+):
+    """
+    One program = BAGS consecutive bags of one feature of this D bucket (grid: [cdiv(B, BAGS), T_k]).
+
+    weights_ptr: flat weights of all tables, fp32/fp16/bf16; table rows start at
+        feature_weight_offset[t] (int64 elements) with row stride D_t.
+    indices_ptr: [N] int32/int64 row ids, table-local. Rewritten in place when BOUNDS_MODE repairs.
+    offsets_ptr: [T*B + 1] same dtype as indices; bag (t, b) is [offsets[t*B+b], offsets[t*B+b+1]).
+    psw_ptr: [N] fp32 or fp16 per-sample weights (read only if WEIGHTED).
+    out_ptr: [B, total_D] output (fp32/fp16/bf16); feature t writes columns [out_offset[t], +D_t).
+    bucket_features_ptr: [T_k] int32 features of this bucket; program_id(1) indexes it.
+    feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
+    warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
+    ACC_FP64: accumulate in fp64 (fp32 weights, as FBGEMM) instead of fp32.
+    EVEN_D: every feature of the bucket has D == BLOCK_D, so no column mask is needed.
+    ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
+        emit 16-byte vector loads although D is only known at run time.
+    """
+    pid_b = tl.program_id(0)
+    t = tl.load(bucket_features_ptr + tl.program_id(1))
+    D = tl.load(feature_dim_ptr + t)
+    w_base = tl.load(feature_weight_offset_ptr + t)
+    o_col = tl.load(feature_out_offset_ptr + t)
+    num_rows = tl.load(feature_rows_ptr + t)
+    cols = tl.arange(0, BLOCK_D)
+    if EVEN_D:
+        cmask = cols < BLOCK_D
+    else:
+        cmask = cols < D
+    g = tl.arange(0, GATHER)
+    acc_ty = tl.float64 if ACC_FP64 else tl.float32
+    repaired = tl.full([], 0, tl.int32)
+    for bb in tl.static_range(BAGS):
+        b = pid_b * BAGS + bb
+        if b < B:
+            bag = t.to(tl.int64) * B + b
+            start = tl.load(offsets_ptr + bag).to(tl.int64)
+            end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+            acc = tl.zeros([BLOCK_D], dtype=acc_ty)
+            for j in range(start, end, GATHER):
+                lmask = (j + g) < end
+                idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
+                if BOUNDS_MODE != REPAIR_OFF:
+                    idx, nbad = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
+                    repaired += nbad
+                row = tl.multiple_of(w_base + idx.to(tl.int64) * D, ALIGN)
+                tile = tl.load(
+                    weights_ptr + row[:, None] + cols[None, :],
+                    mask=lmask[:, None] & cmask[None, :],
+                    other=0.0,
+                ).to(acc_ty)
+                if WEIGHTED:
+                    psw = tl.load(psw_ptr + j + g, mask=lmask, other=0.0).to(acc_ty)
+                    tile = tile * psw[:, None]
+                acc += tl.sum(tile, axis=0)
+            if POOLING_MEAN:
+                # FBGEMM: an empty bag pools to zero in every mode.
+                n = end - start
+                acc = tl.where(n > 0, acc / tl.maximum(n, 1).to(acc_ty), 0.0)
+            out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+            tl.store(out_ptr + out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    if BOUNDS_MODE == REPAIR_COUNT:
+        if repaired > 0:
+            tl.atomic_add(warning_ptr, repaired.to(tl.int64))

@@ -1,0 +1,388 @@
+"""TritonTBE: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` interface on Triton kernels.
+
+Same constructor arguments (names, order, defaults of fbgemm_gpu 1.6-1.9), same ``forward`` signature
+and positional order, same state getters, FBGEMM's own enums. Keywords are handled in three groups:
+
+* used: embedding_specs, feature_table_map, weights_precision, output_dtype, optimizer,
+  stochastic_rounding, learning_rate, eps, pooling_mode, device, bounds_check_mode, table_names,
+  embedding_table_index_type, embedding_table_offset_type;
+* would change results and are not supported: raise ``NotImplementedError`` naming the keyword when set
+  to anything but FBGEMM's default (see ``_UNSUPPORTED``);
+* only concern caching, UVM placement, monitoring or other optimizers' hyper-parameters: accepted and
+  ignored (``_IGNORED``); every table lives in device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from torchrec_triton_tbe import _env  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
+from torchrec_triton_tbe._fbgemm import (
+    BoundsCheckMode,
+    CacheAlgorithm,
+    ComputeDevice,
+    EmbeddingLocation,
+    EmbOptimType,
+    PoolingMode,
+    SparseType,
+    WeightDecayMode,
+)
+from torchrec_triton_tbe.autograd import LookupCall, TBEFunction
+from torchrec_triton_tbe.config import KernelConfig, load_config
+from torchrec_triton_tbe.ops import bounds as bounds_ops
+from torchrec_triton_tbe.ops.backward import OptimizerTensors
+from torchrec_triton_tbe.ops.spec import Bounds, Optim, TBESpec
+from torchrec_triton_tbe.ops.transpose import RunPlan
+from torchrec_triton_tbe.plan import PlanTensors, TablePlan
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
+_OPTIMIZERS = {EmbOptimType.EXACT_SGD: Optim.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: Optim.EXACT_ROWWISE_ADAGRAD}
+_POOLING = {PoolingMode.SUM: False, PoolingMode.MEAN: True}
+
+# Keyword -> FBGEMM default. Anything else changes results in FBGEMM and is not implemented here.
+_UNSUPPORTED = {
+    "gradient_clipping": False,
+    "max_norm": 0.0,
+    "weight_decay": 0.0,
+    "weight_decay_mode": WeightDecayMode.NONE,
+    "counter_based_regularization": None,
+    "cowclip_regularization": None,
+    "global_weight_decay": None,
+    "ensemble_mode": None,
+    "emainplace_mode": None,
+    "optimizer_state_dtypes": None,
+    "extra_optimizer_config": None,
+    "enable_raw_embedding_streaming": False,
+    "res_params": None,
+    "is_qr_tbe": False,
+}
+# Accepted and ignored: caching / UVM placement / prefetch / monitoring knobs, and hyper-parameters
+# of optimizers other than EXACT_SGD and EXACT_ROWWISE_ADAGRAD.
+_IGNORED = (
+    "cache_algorithm cache_load_factor cache_sets cache_reserved_memory cache_precision enforce_hbm "
+    "record_cache_metrics gather_uvm_cache_stats max_gradient momentum ar_alpha ema_beta min_shrinkage "
+    "eta beta1 beta2 uvm_non_rowwise_momentum use_experimental_tbe prefetch_pipeline stats_reporter_config "
+    "multipass_prefetch_config uvm_host_mapped tbe_input_multiplexer_config embedding_shard_info "
+    "preallocated_host_buffers"
+).split()
+
+
+def _resolve_device(device, specs) -> torch.device:
+    if device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if specs and all(len(s) == 4 and s[3] == ComputeDevice.CPU for s in specs):
+        return torch.device("cpu")
+    if torch.cuda.is_available() and not _env.interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TritonTBE(nn.Module):
+    """Drop-in for ``fbgemm_gpu``'s ``SplitTableBatchedEmbeddingBagsCodegen`` (pooled, training).
+
+    Extra keywords (after FBGEMM's): ``kernel_config`` (a ``KernelConfig``, a config name such as
+    ``"sm90"`` or a YAML path), ``fused_bounds_check`` (repair ids inside the forward kernel) and
+    ``hoist_transpose`` (sort + run-length encode in forward). None of them changes results.
+    """
+
+    def __init__(  # noqa: C901
+        self,
+        embedding_specs: Sequence[tuple],
+        feature_table_map: Optional[list[int]] = None,
+        cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU,
+        cache_load_factor: float = 0.2,
+        cache_sets: int = 0,
+        cache_reserved_memory: float = 0.0,
+        cache_precision: Optional[SparseType] = None,
+        weights_precision: SparseType = SparseType.FP32,
+        output_dtype: SparseType = SparseType.FP32,
+        enforce_hbm: bool = False,
+        optimizer: EmbOptimType = EmbOptimType.EXACT_SGD,
+        record_cache_metrics: Any = None,
+        gather_uvm_cache_stats: Optional[bool] = False,
+        stochastic_rounding: bool = True,
+        gradient_clipping: bool = False,
+        max_gradient: float = 1.0,
+        max_norm: float = 0.0,
+        learning_rate: float = 0.01,
+        eps: float = 1.0e-8,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        weight_decay_mode: WeightDecayMode = WeightDecayMode.NONE,
+        ar_alpha: float = 0.0,
+        ema_beta: float = 0.99,
+        min_shrinkage: float = 0.1,
+        eta: float = 0.001,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        ensemble_mode: Any = None,
+        emainplace_mode: Any = None,
+        counter_based_regularization: Any = None,
+        cowclip_regularization: Any = None,
+        pooling_mode: PoolingMode = PoolingMode.SUM,
+        device: Union[str, int, torch.device, None] = None,
+        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
+        uvm_non_rowwise_momentum: bool = False,
+        use_experimental_tbe: bool = False,
+        prefetch_pipeline: bool = False,
+        stats_reporter_config: Any = None,
+        table_names: Optional[list[str]] = None,
+        optimizer_state_dtypes: Any = None,
+        multipass_prefetch_config: Any = None,
+        global_weight_decay: Any = None,
+        uvm_host_mapped: bool = False,
+        extra_optimizer_config: Any = None,
+        tbe_input_multiplexer_config: Any = None,
+        embedding_table_index_type: torch.dtype = torch.int64,
+        embedding_table_offset_type: torch.dtype = torch.int64,
+        embedding_shard_info: Optional[list[tuple[int, int, int, int]]] = None,
+        enable_raw_embedding_streaming: bool = False,
+        res_params: Any = None,
+        is_qr_tbe: bool = False,
+        preallocated_host_buffers: Any = None,
+        *,
+        kernel_config: Union[KernelConfig, str, None] = None,
+        fused_bounds_check: bool = False,
+        hoist_transpose: bool = False,
+    ) -> None:
+        super().__init__()
+        given = dict(locals())
+        for name, default in _UNSUPPORTED.items():
+            value = given[name]
+            changed = value not in (None, {}, [], ()) if default is None else value != default
+            if changed:
+                raise NotImplementedError(
+                    f"TritonTBE: {name}={value!r} is not supported (it changes results in FBGEMM); "
+                    f"supported value: {default!r}"
+                )
+        if optimizer not in _OPTIMIZERS:
+            raise NotImplementedError(
+                f"TritonTBE: optimizer={optimizer} is not supported; use EXACT_SGD or EXACT_ROWWISE_ADAGRAD"
+            )
+        pooling_mode = PoolingMode(pooling_mode)
+        if pooling_mode not in _POOLING:
+            raise NotImplementedError(f"TritonTBE: pooling_mode={pooling_mode.name} is not supported; use SUM or MEAN")
+        for name, sparse_type in (("weights_precision", weights_precision), ("output_dtype", output_dtype)):
+            if sparse_type not in _DTYPES:
+                raise NotImplementedError(f"TritonTBE: {name}={sparse_type} is not supported; use FP32, FP16 or BF16")
+        for name, dt in (
+            ("embedding_table_index_type", embedding_table_index_type),
+            ("embedding_table_offset_type", embedding_table_offset_type),
+        ):
+            if dt not in (torch.int32, torch.int64):
+                raise ValueError(f"TritonTBE: {name} must be torch.int32 or torch.int64, got {dt}")
+
+        specs = [tuple(s) for s in embedding_specs]
+        for k, s in enumerate(specs):
+            if len(s) not in (2, 4):
+                raise ValueError(f"embedding_specs[{k}] = {s}: expected (rows, dim) or (rows, dim, location, device)")
+        self.current_device = _resolve_device(device, specs)
+        _env.check_device(self.current_device)
+        self.embedding_specs = [
+            (int(s[0]), int(s[1]), s[2] if len(s) == 4 else EmbeddingLocation.DEVICE,
+             s[3] if len(s) == 4 else ComputeDevice.CUDA)
+            for s in specs
+        ]
+        plan = TablePlan.build([s[:2] for s in specs], feature_table_map, table_names)
+        self.feature_table_map = list(plan.feature_table_map)
+        self.table_names = table_names
+        self.optimizer = optimizer
+        self.pooling_mode = pooling_mode
+        self.weights_precision = weights_precision
+        self.output_dtype = _DTYPES[output_dtype]
+        self.stochastic_rounding = stochastic_rounding
+        self.bounds_check_mode_int = int(BoundsCheckMode(bounds_check_mode).value)
+        if self.bounds_check_mode_int not in {m.value for m in Bounds}:
+            raise NotImplementedError(
+                f"TritonTBE: bounds_check_mode={BoundsCheckMode(bounds_check_mode).name} is not supported; "
+                "use FATAL, WARNING, IGNORE or NONE"
+            )
+        self.embedding_table_index_type = embedding_table_index_type
+        self.embedding_table_offset_type = embedding_table_offset_type
+        self.embedding_shard_info = embedding_shard_info
+        self.total_D = plan.total_D
+        self.max_D = plan.max_D
+        self.T = plan.num_features
+        self._eps = float(eps)
+        self._hyper = {"beta1": beta1, "beta2": beta2}
+        ignored = {k: given[k] for k in _IGNORED}
+        logger.debug("TritonTBE: ignored FBGEMM keywords %s", ignored)
+
+        dev = self.current_device
+        wdtype = _DTYPES[weights_precision]
+        self.register_buffer("weights", torch.zeros(plan.total_weight_elements, dtype=wdtype, device=dev))
+        rowwise = optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        self.register_buffer(
+            "momentum1", torch.zeros(plan.total_rows if rowwise else 0, dtype=torch.float32, device=dev)
+        )
+        self._lr = float(learning_rate)
+        # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate.
+        self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev))
+        self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
+        self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("D_offsets", torch.tensor(plan.D_offsets, dtype=torch.int32, device=dev), persistent=False)
+        # Makes autograd run backward (the fused optimizer) even when no input needs a gradient.
+        self.placeholder_autograd_tensor = torch.zeros(0, device=dev, requires_grad=True)
+
+        self._spec = TBESpec(
+            plan=plan,
+            tensors=PlanTensors.build(plan, dev),
+            pooling_mean=_POOLING[pooling_mode],
+            weights_dtype=wdtype,
+            output_dtype=self.output_dtype,
+            optimizer=_OPTIMIZERS[optimizer],
+            stochastic_rounding=bool(stochastic_rounding),
+            bounds=Bounds(self.bounds_check_mode_int),
+            config=load_config(dev, kernel_config),
+            fused_bounds_check=fused_bounds_check,
+            hoist_transpose=hoist_transpose,
+        )
+        self.collect_backward_stats = False
+        self._last_runs: Optional[RunPlan] = None
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def spec(self) -> TBESpec:
+        return self._spec
+
+    @property
+    def kernel_config(self) -> KernelConfig:
+        return self._spec.config
+
+    def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
+        """Swap tuning knobs (never changes results)."""
+        self._spec = _replace_spec(self._spec, config=load_config(self.current_device, config))
+
+    def set_bounds_options(self, fused_bounds_check: Optional[bool] = None, hoist_transpose: Optional[bool] = None):
+        changes = {}
+        if fused_bounds_check is not None:
+            changes["fused_bounds_check"] = fused_bounds_check
+        if hoist_transpose is not None:
+            changes["hoist_transpose"] = hoist_transpose
+        self._spec = _replace_spec(self._spec, **changes)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+        feature_requires_grad: Optional[torch.Tensor] = None,
+        batch_size_per_feature_per_rank: Optional[list[list[int]]] = None,
+        total_unique_indices: Optional[int] = None,
+        hash_zch_identities: Optional[torch.Tensor] = None,
+        hash_zch_runtime_meta: Optional[torch.Tensor] = None,
+        vbe_output: Optional[torch.Tensor] = None,
+        vbe_output_offsets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        # total_unique_indices is a sizing hint (needed by FBGEMM's OptimType.NONE); hash_zch_* feed
+        # FBGEMM's raw-embedding streaming. Neither changes the pooled output.
+        if batch_size_per_feature_per_rank is not None or vbe_output is not None or vbe_output_offsets is not None:
+            raise NotImplementedError(
+                "TritonTBE: variable batch size per feature (batch_size_per_feature_per_rank / vbe_output) "
+                "is not supported yet"
+            )
+        spec = self._spec
+        B = bounds_ops.validate_shapes(spec, indices, offsets, per_sample_weights, feature_requires_grad)
+        # FBGEMM: ids to int32 when the index type says so; offsets always follow the ids' dtype.
+        if self.embedding_table_index_type == torch.int32 and indices.dtype != torch.int32:
+            indices = indices.to(torch.int32)
+        if offsets.dtype != indices.dtype:
+            offsets = offsets.to(indices.dtype)
+        indices, offsets = indices.contiguous(), offsets.contiguous()
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.contiguous()
+        if feature_requires_grad is not None:
+            feature_requires_grad = feature_requires_grad.to(device=self.current_device, dtype=torch.int32)
+        bounds_ops.check_and_repair(
+            spec, indices, offsets, B, self.bounds_check_warning, ids=not spec.fused_bounds_check
+        )
+        call = LookupCall(
+            spec=spec,
+            state=OptimizerTensors(self.weights, self.momentum1, self.learning_rate_tensor, self.iter, self._eps),
+            B=B,
+            warning=self.bounds_check_warning,
+            on_runs=self._record_runs if self.collect_backward_stats else None,
+        )
+        return TBEFunction.apply(
+            self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad, call
+        )
+
+    def _record_runs(self, runs: RunPlan) -> None:
+        self._last_runs = runs
+
+    def backward_stats(self) -> dict:
+        """Run statistics of the last backward (set ``collect_backward_stats = True`` first). Syncs."""
+        if self._last_runs is None:
+            raise RuntimeError("no backward recorded; set module.collect_backward_stats = True before training")
+        return self._last_runs.stats()
+
+    # ------------------------------------------------------------------ FBGEMM state API
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        plan = self._spec.plan
+        return [
+            self.weights.detach()[off : off + r * d].view(r, d)
+            for off, r, d in zip(plan.weights_offsets, plan.rows, plan.dims)
+        ]
+
+    def split_optimizer_states(self) -> list[list[torch.Tensor]]:
+        if self.optimizer == EmbOptimType.EXACT_SGD:
+            return []
+        plan = self._spec.plan
+        return [[self.momentum1.detach()[ro : ro + r]] for ro, r in zip(plan.row_offsets, plan.rows)]
+
+    def get_optimizer_state(self) -> list[dict[str, torch.Tensor]]:
+        return [{"sum": states[0]} for states in self.split_optimizer_states()]
+
+    def get_optimizer_buffer(self, state: str) -> torch.Tensor:
+        for name, buffer in self.named_buffers():
+            if name == state:
+                return buffer
+        raise ValueError(f"Optimizer buffer {state} not found")
+
+    def get_learning_rate(self) -> float:
+        return self._lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr = float(lr)
+        self.learning_rate_tensor.fill_(self._lr)
+
+    def update_hyper_parameters(self, params_dict: dict[str, float]) -> None:
+        for name, value in params_dict.items():
+            if name == "lr":
+                self.set_learning_rate(value)
+            elif name == "eps":
+                self._eps = float(value)
+            elif name in ("beta1", "beta2"):
+                self._hyper[name] = value  # unused by EXACT_SGD / EXACT_ROWWISE_ADAGRAD
+            elif name == "weight_decay" and value == 0.0:
+                pass
+            else:
+                raise NotImplementedError(f"Setting hyper-parameter {name}={value} is not supported")
+
+    def set_optimizer_step(self, step: int) -> None:
+        self.iter.fill_(step)
+
+    def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
+        for w in self.split_embedding_weights():
+            w.uniform_(min_val, max_val)
+
+    def flush(self) -> None:
+        """No cache to write back: every table lives in device memory."""
+
+    def reset_cache_states(self) -> None:
+        """No cache: nothing to reset."""
+
+    def prefetch(self, indices, offsets, forward_stream=None, batch_size_per_feature_per_rank=None) -> None:
+        """No cache to prefetch into: every table lives in device memory."""
+
+
+def _replace_spec(spec: TBESpec, **changes) -> TBESpec:
+    return dataclasses.replace(spec, **changes)

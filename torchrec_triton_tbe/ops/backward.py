@@ -1,0 +1,181 @@
+"""Launch the fused backward: per-sample-weight gradient, then per D bucket the short-run kernel and
+the long-run split-K pair. Every launch has a fixed (persistent) grid; run and chunk counts are read
+by the kernels from device memory, so nothing here waits for the GPU.
+
+Order matters and is enforced by stream order: the per-sample-weight gradient reads the weights the
+forward pooled, so it runs before any update; a long run's apply reads partials, so it runs after
+the partials kernel of its bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+
+from torchrec_triton_tbe.kernels.backward_long import _backward_long_apply_kernel, _backward_long_partials_kernel
+from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
+from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
+from torchrec_triton_tbe.ops.spec import TBESpec
+from torchrec_triton_tbe.ops.transpose import RunPlan
+
+
+@dataclasses.dataclass
+class OptimizerTensors:
+    """The mutable state a backward updates in place (owned by the module)."""
+
+    weights: torch.Tensor  # flat
+    momentum: torch.Tensor  # [total_rows] fp32 (row-wise Adagrad) or empty
+    learning_rate: torch.Tensor  # fp32 [1]
+    step: torch.Tensor  # int64 [1]
+    eps: float
+
+
+def psw_grad(
+    spec: TBESpec,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    grad_out: torch.Tensor,
+    B: int,
+    feature_requires_grad: Optional[torch.Tensor],
+) -> torch.Tensor:
+    plan, tensors, cfg = spec.plan, spec.tensors, spec.config.forward
+    grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
+    if B == 0 or indices.numel() == 0:
+        return grad
+    for k, bucket in enumerate(plan.buckets):
+        if not bucket.features:
+            continue
+        _psw_grad_kernel[(triton.cdiv(B, cfg.bags_per_program), len(bucket.features))](
+            weights,
+            indices,
+            offsets,
+            grad_out,
+            grad,
+            tensors.bucket_features[k],
+            tensors.feature_dim,
+            tensors.feature_weight_offset,
+            tensors.feature_out_offset,
+            feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
+            B,
+            plan.total_D,
+            POOLING_MEAN=spec.pooling_mean,
+            HAS_FEATURE_MASK=feature_requires_grad is not None,
+            EVEN_D=spec.bucket_even_d[k],
+            BLOCK_D=bucket.block_d,
+            GATHER=cfg.gather.get(bucket.block_d),
+            BAGS=cfg.bags_per_program,
+            num_warps=cfg.num_warps.get(bucket.block_d),
+        )
+    return grad
+
+
+def fused_update(
+    spec: TBESpec,
+    state: OptimizerTensors,
+    runs: RunPlan,
+    grad_out: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    B: int,
+) -> None:
+    """One optimizer step per unique row touched by the batch."""
+    if runs.num_lookups == 0 or B == 0:
+        return
+    plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
+    nprog = bcfg.grid_programs(grad_out.device)
+    weighted = per_sample_weights is not None
+    psw = per_sample_weights if weighted else grad_out
+    momentum = state.momentum if state.momentum.numel() else state.learning_rate
+    partial_stride = max(b.block_d for b in plan.buckets)
+    # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated lazily per batch
+    # (the caching allocator makes this free in steady state) and never read past the live chunks.
+    partials = torch.empty(runs.max_chunks * partial_stride, dtype=torch.float32, device=grad_out.device)
+    for k, bucket in enumerate(plan.buckets):
+        if not bucket.features:
+            continue
+        bd = bucket.block_d
+        common = dict(
+            EVEN_D=spec.bucket_even_d[k], BLOCK_D=bd, NPROG=nprog, num_warps=bcfg.num_warps.get(bd)
+        )
+        _backward_short_kernel[(nprog,)](
+            state.weights,
+            momentum,
+            state.learning_rate,
+            state.step,
+            grad_out,
+            runs.sorted_keys,
+            runs.perm,
+            runs.bags,
+            offsets,
+            psw,
+            runs.run_start,
+            runs.bucket_run_bounds,
+            tensors.feature_out_offset,
+            tensors.feature_key_offset,
+            tensors.feature_weight_offset,
+            tensors.feature_row_offset,
+            tensors.feature_dim,
+            k,
+            B,
+            plan.total_D,
+            runs.threshold,
+            state.eps,
+            OPTIM=int(spec.optimizer),
+            SR_DROP_BITS=spec.sr_drop_bits,
+            POOLING_MEAN=spec.pooling_mean,
+            WEIGHTED=weighted,
+            GATHER=bcfg.gather.get(bd),
+            **common,
+        )
+        _backward_long_partials_kernel[(nprog,)](
+            partials,
+            grad_out,
+            runs.perm,
+            runs.bags,
+            offsets,
+            psw,
+            runs.run_start,
+            runs.chunk_run,
+            runs.run_chunk_begin,
+            runs.bucket_chunk_bounds,
+            tensors.feature_out_offset,
+            tensors.feature_dim,
+            k,
+            B,
+            plan.total_D,
+            runs.chunk,
+            partial_stride,
+            POOLING_MEAN=spec.pooling_mean,
+            WEIGHTED=weighted,
+            GATHER=bcfg.gather.get(bd),
+            **common,
+        )
+        _backward_long_apply_kernel[(nprog,)](
+            state.weights,
+            momentum,
+            state.learning_rate,
+            state.step,
+            partials,
+            runs.sorted_keys,
+            runs.perm,
+            runs.bags,
+            runs.run_start,
+            runs.chunk_run,
+            runs.run_chunk_begin,
+            runs.bucket_chunk_bounds,
+            tensors.feature_key_offset,
+            tensors.feature_weight_offset,
+            tensors.feature_row_offset,
+            tensors.feature_dim,
+            k,
+            B,
+            partial_stride,
+            state.eps,
+            OPTIM=int(spec.optimizer),
+            SR_DROP_BITS=spec.sr_drop_bits,
+            **common,
+        )

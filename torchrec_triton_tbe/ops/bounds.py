@@ -1,0 +1,154 @@
+"""Input validation and FBGEMM's bounds-check modes.
+
+Host checks (dtypes, ranks, sizes) never touch data and never sync. Data checks depend on the mode:
+
+* ``FATAL``: offsets and ids are checked on the device, then one host sync reads a 3-element verdict;
+  a bad input raises ``ValueError`` naming the feature, table, sample and position, before any kernel
+  writes anything (weights and optimizer state stay untouched). The only mode with a sync.
+* ``WARNING`` / ``IGNORE``: FBGEMM's repair. ``offsets[-1]`` is set to ``len(indices)``; then each bag's
+  ``[start, end)`` is clamped into ``[0, N]`` with ``start`` no less than the previous bag's end, which is
+  what FBGEMM's sequential per-bag loop produces and equals ``cummax(clamp(offsets, 0, N))``; ids outside
+  ``[0, rows)`` become 0. Repairs happen in place, as in FBGEMM. WARNING adds the number of repairs to
+  the module's ``bounds_check_warning`` counter (on the device: no sync, so no per-batch log line).
+* ``NONE``: no data check: out-of-range ids read out of bounds, as in FBGEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from torchrec_triton_tbe.kernels.bounds import CHECK_ONLY, REPAIR_COUNT, REPAIR_SILENT, _check_indices_kernel
+from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def validate_shapes(
+    spec: TBESpec,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_requires_grad: Optional[torch.Tensor],
+) -> int:
+    """Checks that need no data; returns B."""
+    T = spec.plan.num_features
+    for name, x in (("indices", indices), ("offsets", offsets)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        if x.device != spec.device:
+            raise ValueError(f"{name} is on {x.device}, the module's tables are on {spec.device}")
+    if offsets.numel() < 1 or (offsets.numel() - 1) % T != 0:
+        raise ValueError(
+            f"offsets has {offsets.numel()} elements; expected T*B+1 with T={T} features "
+            f"(table-major: offsets[t*B+b] starts bag b of feature t)"
+        )
+    if per_sample_weights is not None:
+        if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.dtype not in FLOAT_DTYPES:
+            got = getattr(per_sample_weights, "dtype", type(per_sample_weights).__name__)
+            raise TypeError(f"per_sample_weights must be a float32/float16/bfloat16 tensor, got {got}")
+        if per_sample_weights.shape != indices.shape:
+            raise ValueError(
+                f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, indices {tuple(indices.shape)}: "
+                "one weight per lookup is required"
+            )
+        if per_sample_weights.device != spec.device:
+            raise ValueError(f"per_sample_weights is on {per_sample_weights.device}, the module on {spec.device}")
+    if feature_requires_grad is not None and feature_requires_grad.numel() != T:
+        raise ValueError(f"feature_requires_grad has {feature_requires_grad.numel()} elements, expected T={T}")
+    return (offsets.numel() - 1) // T
+
+
+def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:
+    cfg = spec.config.forward
+    bags = cfg.bags_per_program
+    grid = (triton.cdiv(B, bags), spec.plan.num_features)
+    _check_indices_kernel[grid](
+        indices,
+        offsets,
+        spec.tensors.feature_rows,
+        warning,
+        first_bad,
+        B,
+        MODE=mode,
+        GATHER=cfg.gather.default,
+        BAGS=bags,
+        num_warps=1,
+    )
+
+
+def _repaired_offsets(offsets: torch.Tensor, N: int) -> torch.Tensor:
+    fixed = offsets.clone()
+    fixed[-1] = N
+    return torch.cummax(fixed.clamp(0, N), dim=0).values
+
+
+def _invalid_bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
+    start, end = offsets[:-1], offsets[1:]
+    return (start < 0) | (start > end) | (end > N)
+
+
+def check_and_repair(
+    spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int, warning: torch.Tensor, ids: bool = True
+) -> None:
+    """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
+    (fused bounds check); offsets are always handled here."""
+    mode = spec.bounds
+    if mode == Bounds.NONE or B == 0:
+        return
+    N = indices.numel()
+    if mode == Bounds.FATAL:
+        _fatal_check(spec, indices, offsets, B)
+        return
+    last_wrong = offsets[-1] != N
+    bad_bags = _invalid_bags(offsets, N)
+    if mode == Bounds.WARNING:
+        warning.add_(bad_bags.sum() + last_wrong.to(torch.int64))
+    offsets.copy_(_repaired_offsets(offsets, N))
+    if ids:
+        id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
+        _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)
+
+
+def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> None:
+    N = indices.numel()
+    device = offsets.device
+    big = torch.iinfo(torch.int64).max
+    bad_bags = _invalid_bags(offsets, N)
+    bag_ids = torch.arange(bad_bags.numel(), device=device)
+    first_bad_bag = torch.where(bad_bags, bag_ids, big).amin() if bad_bags.numel() else torch.tensor(big)
+    # Check ids over repaired offsets so the kernel's loops stay inside [0, N) whatever the offsets.
+    safe = _repaired_offsets(offsets, N).to(offsets.dtype)
+    first_bad_id = torch.full((1,), N, dtype=torch.int64, device=device)
+    _launch_id_check(spec, indices, safe, B, CHECK_ONLY, first_bad_id, first_bad_id)
+    # The one sync of FATAL mode: a 3-element verdict.
+    last, bad_bag, bad_pos = torch.stack(
+        [offsets[-1].to(torch.int64), first_bad_bag.to(device), first_bad_id[0]]
+    ).tolist()
+    plan = spec.plan
+    if last != N:
+        raise ValueError(
+            f"bounds check (FATAL): offsets[-1] = {last} but indices has {N} elements; they must be equal"
+        )
+    if bad_bag != big:
+        t, b = divmod(bad_bag, B)
+        s, e = offsets[bad_bag].item(), offsets[bad_bag + 1].item()
+        raise ValueError(
+            f"bounds check (FATAL): bag {bad_bag} (feature {t}, {plan.table_label(plan.feature_table_map[t])}, sample {b}) "
+            f"spans offsets[{bad_bag}:{bad_bag + 2}] = [{s}, {e}); offsets must be non-decreasing within [0, {N}]"
+        )
+    if bad_pos != N:
+        bag = int(torch.searchsorted(safe, torch.tensor(bad_pos, dtype=safe.dtype, device=device), right=True)) - 1
+        t, b = divmod(bag, B)
+        k = plan.feature_table_map[t]
+        raise ValueError(
+            f"bounds check (FATAL): indices[{bad_pos}] = {indices[bad_pos].item()} is out of range for feature {t} "
+            f"({plan.table_label(k)}, {plan.rows[k]} rows), sample {b}; ids must lie in [0, {plan.rows[k]})"
+        )

@@ -1,0 +1,68 @@
+"""Launch the pooled forward: one launch per D bucket, grid [cdiv(B, bags_per_program), T_k]."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
+from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
+from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
+
+MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
+
+
+def fused_repair_mode(spec: TBESpec) -> int:
+    if not spec.fused_bounds_check:
+        return REPAIR_OFF
+    return {Bounds.WARNING: REPAIR_COUNT, Bounds.IGNORE: REPAIR_SILENT}.get(spec.bounds, REPAIR_OFF)
+
+
+def pooled_forward(
+    spec: TBESpec,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    B: int,
+    warning: torch.Tensor,
+) -> torch.Tensor:
+    plan, tensors, cfg = spec.plan, spec.tensors, spec.config.forward
+    out = torch.empty(B, plan.total_D, dtype=spec.output_dtype, device=weights.device)
+    if B == 0:
+        return out
+    mode = fused_repair_mode(spec)
+    for k, bucket in enumerate(plan.buckets):
+        if not bucket.features:
+            continue
+        if len(bucket.features) > MAX_GRID_Y:
+            raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
+        bags = cfg.bags_per_program
+        _pooled_forward_kernel[(triton.cdiv(B, bags), len(bucket.features))](
+            weights,
+            indices,
+            offsets,
+            per_sample_weights if per_sample_weights is not None else weights,
+            out,
+            tensors.bucket_features[k],
+            tensors.feature_dim,
+            tensors.feature_weight_offset,
+            tensors.feature_out_offset,
+            tensors.feature_rows,
+            warning,
+            B,
+            plan.total_D,
+            POOLING_MEAN=spec.pooling_mean,
+            WEIGHTED=per_sample_weights is not None,
+            BOUNDS_MODE=mode,
+            ACC_FP64=spec.weights_dtype == torch.float32,
+            EVEN_D=spec.bucket_even_d[k],
+            ALIGN=spec.bucket_align[k],
+            BLOCK_D=bucket.block_d,
+            GATHER=cfg.gather.get(bucket.block_d),
+            BAGS=bags,
+            num_warps=cfg.num_warps.get(bucket.block_d),
+        )
+    return out

@@ -1,0 +1,124 @@
+"""The transpose: lookups in batch order -> runs of equal (table, row), with split-K chunk metadata.
+
+No host sync anywhere: every buffer is sized from N = len(indices) (an upper bound on runs) or from
+N / chunk + N / threshold + 1 (an upper bound on long-run chunks), and every count that depends on
+the data (runs per bucket, chunks per bucket) stays on the device, read by the kernels that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from torchrec_triton_tbe.kernels.transpose import _linearize_kernel, _run_starts_kernel
+from torchrec_triton_tbe.ops.spec import TBESpec
+
+RUN_STARTS_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """One batch's runs. Slots are positions in sorted order; runs index [0, N]."""
+
+    num_lookups: int  # N
+    sorted_keys: torch.Tensor  # [N] key_dtype
+    perm: torch.Tensor  # [N] int64: original lookup position of each sorted slot
+    bags: torch.Tensor  # [N] int32: t*B + b of each original position
+    run_start: torch.Tensor  # [N + 1] int32/int64: first slot of run r; N for r >= num_runs
+    bucket_run_bounds: torch.Tensor  # [K + 1] int64 (device): bucket k owns runs [b[k], b[k+1])
+    threshold: int
+    chunk: int
+    max_chunks: int  # upper bound of long-run chunks (workspace rows)
+    run_chunk_begin: torch.Tensor  # [N + 1] first chunk of each run (exclusive prefix sum)
+    chunk_run: torch.Tensor  # [max_chunks] run of each chunk (>= N for unused slots)
+    bucket_chunk_bounds: torch.Tensor  # [K + 1] bucket k owns chunks [b[k], b[k+1])
+
+    def stats(self) -> dict:
+        """Run counts for tests and demos. Syncs (reads device counts): never called on the hot path."""
+        lens = (self.run_start[1:] - self.run_start[:-1]).to(torch.int64)
+        runs = lens > 0
+        long = lens >= self.threshold
+        return {
+            "lookups": self.num_lookups,
+            "runs": int(runs.sum()),
+            "short_runs": int((runs & ~long).sum()),
+            "long_runs": int((runs & long).sum()),
+            "long_chunks": int(self.run_chunk_begin[-1]),
+            "max_run": int(lens.max()) if self.num_lookups else 0,
+        }
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < 2**31 - 1 else torch.int64
+
+
+def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int):
+    """Sort key and bag id of every lookup (lookups outside every bag get the sentinel key)."""
+    N = indices.numel()
+    plan, cfg = spec.plan, spec.config.forward
+    keys = torch.full((N,), plan.sentinel_key, dtype=plan.key_dtype, device=indices.device)
+    bags = torch.empty(N, dtype=torch.int32, device=indices.device)
+    if N and B:
+        _linearize_kernel[(triton.cdiv(B, cfg.bags_per_program), plan.num_features)](
+            indices,
+            offsets,
+            spec.tensors.feature_key_offset,
+            keys,
+            bags,
+            B,
+            GATHER=cfg.gather.default,
+            BAGS=cfg.bags_per_program,
+            num_warps=1,
+        )
+    return keys, bags
+
+
+def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
+    N = indices.numel()
+    device = indices.device
+    bcfg = spec.config.backward
+    keys, bags = linearize(spec, indices, offsets, B)
+    # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    idt = _index_dtype(N + 1)
+
+    heads = torch.empty(N, dtype=torch.bool, device=device)
+    if N:
+        heads[0] = True
+        torch.ne(sorted_keys[1:], sorted_keys[:-1], out=heads[1:])
+    run_count = torch.cumsum(heads, 0, dtype=idt)
+    run_start = torch.full((N + 1,), N, dtype=idt, device=device)
+    if N:
+        _run_starts_kernel[(triton.cdiv(N, RUN_STARTS_BLOCK),)](
+            sorted_keys, run_count, run_start, N, BLOCK=RUN_STARTS_BLOCK
+        )
+    # Buckets are contiguous in key space, hence in slot space, hence in run space.
+    bucket_slots = torch.searchsorted(sorted_keys, spec.tensors.bucket_key_bounds)
+    bucket_run_bounds = torch.searchsorted(run_start, bucket_slots.to(idt))
+
+    threshold, chunk = bcfg.short_threshold, bcfg.long_chunk
+    lens = run_start[1:] - run_start[:-1]
+    chunks_per_run = torch.where(lens >= threshold, (lens + (chunk - 1)) // chunk, 0)
+    run_chunk_begin = torch.zeros(N + 1, dtype=idt, device=device)
+    torch.cumsum(chunks_per_run, 0, dtype=idt, out=run_chunk_begin[1:])
+    # Each long run has >= threshold lookups and cdiv(L, chunk) <= L / chunk + 1 chunks.
+    max_chunks = N // chunk + N // threshold + 1
+    slots = torch.arange(max_chunks, dtype=idt, device=device)
+    chunk_run = torch.searchsorted(run_chunk_begin[1:], slots, right=True).to(idt)
+    bucket_chunk_bounds = run_chunk_begin[bucket_run_bounds]
+    return RunPlan(
+        num_lookups=N,
+        sorted_keys=sorted_keys,
+        perm=perm,
+        bags=bags,
+        run_start=run_start,
+        bucket_run_bounds=bucket_run_bounds,
+        threshold=threshold,
+        chunk=chunk,
+        max_chunks=max_chunks,
+        run_chunk_begin=run_chunk_begin,
+        chunk_run=chunk_run,
+        bucket_chunk_bounds=bucket_chunk_bounds,
+    )

@@ -1,0 +1,197 @@
+"""The flat table layout: the one place that knows where a (table, row) lives.
+
+Everything the kernels need to address weights, outputs and sort keys is derived once, at module
+construction, into a frozen :class:`TablePlan` plus a few small device tensors (:class:`PlanTensors`).
+
+Three index spaces are in play:
+
+* **weights**: all tables concatenated row-major into one flat buffer; table ``k`` starts at element
+  ``weights_offsets[k]`` and has row stride ``dims[k]`` (64-bit offsets: one table may exceed 2^31
+  elements).
+* **output**: ``out[b, D_offsets[t] : D_offsets[t] + D_t]`` for feature ``t`` (FBGEMM's layout).
+* **sort keys** (backward): lookup of feature ``t`` at row ``i`` gets key ``key_offsets[table(t)] + i``.
+  Tables are laid out in key space ordered by D bucket (next power of two of D), so after the sort
+  every bucket's runs are one contiguous range and each bucket's kernels launch with their own
+  ``BLOCK_D`` without a compaction pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import torch
+import triton
+
+# Keys of lookups outside every bag (offsets[0] > 0 is legal in FBGEMM) sort past all real keys.
+# ``sentinel_key`` is that value; it lies outside every bucket's key range, so no kernel visits it.
+
+
+def block_d(dim: int) -> int:
+    """The power-of-two tile width a table of width ``dim`` is processed with."""
+    return max(4, triton.next_power_of_2(dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Features (and their tables) sharing one ``BLOCK_D``."""
+
+    block_d: int
+    features: tuple[int, ...]
+    tables: tuple[int, ...]
+    key_begin: int  # first sort key of this bucket's tables
+    key_end: int  # one past the last
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    rows: tuple[int, ...]  # per table
+    dims: tuple[int, ...]  # per table
+    feature_table_map: tuple[int, ...]  # per feature
+    table_names: tuple[str, ...] = ()
+
+    def table_label(self, k: int) -> str:
+        return f"table {k} ({self.table_names[k]!r})" if self.table_names else f"table {k}"
+
+    @functools.cached_property
+    def num_tables(self) -> int:
+        return len(self.rows)
+
+    @functools.cached_property
+    def num_features(self) -> int:
+        return len(self.feature_table_map)
+
+    @functools.cached_property
+    def weights_offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for r, d in zip(self.rows, self.dims):
+            out.append(acc)
+            acc += r * d
+        return tuple(out)
+
+    @functools.cached_property
+    def total_weight_elements(self) -> int:
+        return sum(r * d for r, d in zip(self.rows, self.dims))
+
+    @functools.cached_property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @functools.cached_property
+    def row_offsets(self) -> tuple[int, ...]:
+        """First row of each table in the per-row optimizer state (table order)."""
+        out, acc = [], 0
+        for r in self.rows:
+            out.append(acc)
+            acc += r
+        return tuple(out)
+
+    @functools.cached_property
+    def feature_dims(self) -> tuple[int, ...]:
+        return tuple(self.dims[k] for k in self.feature_table_map)
+
+    @functools.cached_property
+    def D_offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for d in self.feature_dims:
+            out.append(acc)
+            acc += d
+        return tuple(out + [acc])
+
+    @functools.cached_property
+    def total_D(self) -> int:
+        return self.D_offsets[-1]
+
+    @functools.cached_property
+    def max_D(self) -> int:
+        return max(self.dims) if self.dims else 0
+
+    @functools.cached_property
+    def buckets(self) -> tuple[Bucket, ...]:
+        widths = sorted({block_d(d) for d in self.dims})
+        buckets, key = [], 0
+        for w in widths:
+            tables = tuple(k for k, d in enumerate(self.dims) if block_d(d) == w)
+            features = tuple(t for t, k in enumerate(self.feature_table_map) if k in tables)
+            begin = key
+            key += sum(self.rows[k] for k in tables)
+            buckets.append(Bucket(w, features, tables, begin, key))
+        return tuple(buckets)
+
+    @functools.cached_property
+    def key_offsets(self) -> tuple[int, ...]:
+        """Per table: the sort key of its row 0 (tables grouped by bucket)."""
+        out = [0] * self.num_tables
+        for bucket in self.buckets:
+            key = bucket.key_begin
+            for k in bucket.tables:
+                out[k] = key
+                key += self.rows[k]
+        return tuple(out)
+
+    @functools.cached_property
+    def sentinel_key(self) -> int:
+        return self.total_rows
+
+    @functools.cached_property
+    def key_dtype(self) -> torch.dtype:
+        # int32 keys halve the radix-sort width; only when every key (and the sentinel) fits.
+        return torch.int32 if self.total_rows < 2**31 - 1 else torch.int64
+
+    @staticmethod
+    def build(
+        specs: Sequence[tuple[int, int]],
+        feature_table_map: Optional[Sequence[int]],
+        table_names: Optional[Sequence[str]] = None,
+    ) -> "TablePlan":
+        rows = tuple(int(r) for r, _ in specs)
+        dims = tuple(int(d) for _, d in specs)
+        if not rows:
+            raise ValueError("embedding_specs is empty: at least one table is required")
+        for k, (r, d) in enumerate(zip(rows, dims)):
+            if r < 0 or d <= 0:
+                raise ValueError(f"table {k}: rows must be >= 0 and dim > 0, got rows={r}, dim={d}")
+        ftm = tuple(range(len(rows))) if feature_table_map is None else tuple(int(k) for k in feature_table_map)
+        if not ftm:
+            raise ValueError("feature_table_map is empty: at least one feature is required")
+        for t, k in enumerate(ftm):
+            if not 0 <= k < len(rows):
+                raise ValueError(f"feature_table_map[{t}] = {k} is not a table index in [0, {len(rows)})")
+        names = tuple(table_names or ())
+        if names and len(names) != len(rows):
+            raise ValueError(f"table_names has {len(names)} entries for {len(rows)} tables")
+        return TablePlan(rows, dims, ftm, names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTensors:
+    """Per-feature and per-bucket lookup tables on the device (built once per module)."""
+
+    feature_table: torch.Tensor  # int32 [T]
+    feature_dim: torch.Tensor  # int32 [T]
+    feature_rows: torch.Tensor  # int64 [T] rows of the feature's table (bounds check)
+    feature_weight_offset: torch.Tensor  # int64 [T] element offset of the table in the flat weights
+    feature_row_offset: torch.Tensor  # int64 [T] first row of the table in the per-row state
+    feature_out_offset: torch.Tensor  # int32 [T] column offset in the pooled output
+    feature_key_offset: torch.Tensor  # int64 [T] sort key of row 0 of the feature's table
+    bucket_features: tuple[torch.Tensor, ...]  # int32 [T_k] per bucket
+    bucket_key_bounds: torch.Tensor  # [K + 1] key_dtype: bucket k owns keys [b[k], b[k+1])
+
+    @staticmethod
+    def build(plan: TablePlan, device: torch.device) -> "PlanTensors":
+        ftm = plan.feature_table_map
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        key_bounds = [b.key_begin for b in plan.buckets] + [plan.buckets[-1].key_end]
+        return PlanTensors(
+            feature_table=torch.tensor(ftm, **i32),
+            feature_dim=torch.tensor(plan.feature_dims, **i32),
+            feature_rows=torch.tensor([plan.rows[k] for k in ftm], **i64),
+            feature_weight_offset=torch.tensor([plan.weights_offsets[k] for k in ftm], **i64),
+            feature_row_offset=torch.tensor([plan.row_offsets[k] for k in ftm], **i64),
+            feature_out_offset=torch.tensor(plan.D_offsets[:-1], **i32),
+            feature_key_offset=torch.tensor([plan.key_offsets[k] for k in ftm], **i64),
+            bucket_features=tuple(torch.tensor(b.features, **i32) for b in plan.buckets),
+            bucket_key_bounds=torch.tensor(key_bounds, dtype=plan.key_dtype, device=device),
+        )
