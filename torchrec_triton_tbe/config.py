@@ -52,10 +52,18 @@ class ForwardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransposeConfig:
+    bags_per_program: int  # bags linearized side by side per program
+    lookups_per_step: int  # ids of each bag read per step
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
 class BackwardConfig:
     short_threshold: int  # runs with at least this many lookups take the long (split-K) path
     long_chunk: int  # lookups per split-K chunk of a long run
-    gather: KnobTable
+    runs: KnobTable  # short runs reduced side by side per program (by BLOCK_D)
+    chunks: KnobTable  # long-run chunks reduced side by side per program (by BLOCK_D)
     num_warps: KnobTable
     programs: int  # persistent grid size when programs_per_sm == 0
     programs_per_sm: int
@@ -71,6 +79,7 @@ class KernelConfig:
     target: str
     tuned: bool
     forward: ForwardConfig
+    transpose: TransposeConfig
     backward: BackwardConfig
     source: str = ""
 
@@ -83,7 +92,7 @@ class KernelConfig:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], source: str = "") -> "KernelConfig":
-        f, b = d["forward"], d["backward"]
+        f, tr, b = d["forward"], d["transpose"], d["backward"]
         cfg = KernelConfig(
             target=str(d["target"]),
             tuned=bool(d.get("tuned", False)),
@@ -92,10 +101,16 @@ class KernelConfig:
                 gather=KnobTable.parse(f["gather"], "forward.gather"),
                 num_warps=KnobTable.parse(f["num_warps"], "forward.num_warps"),
             ),
+            transpose=TransposeConfig(
+                bags_per_program=int(tr["bags_per_program"]),
+                lookups_per_step=int(tr["lookups_per_step"]),
+                num_warps=int(tr["num_warps"]),
+            ),
             backward=BackwardConfig(
                 short_threshold=int(b["short_threshold"]),
                 long_chunk=int(b["long_chunk"]),
-                gather=KnobTable.parse(b["gather"], "backward.gather"),
+                runs=KnobTable.parse(b["runs"], "backward.runs"),
+                chunks=KnobTable.parse(b["chunks"], "backward.chunks"),
                 num_warps=KnobTable.parse(b["num_warps"], "backward.num_warps"),
                 programs=int(b.get("programs", 0)),
                 programs_per_sm=int(b.get("programs_per_sm", 0)),
@@ -115,12 +130,20 @@ class KernelConfig:
         for name, table in [
             ("forward.gather", self.forward.gather),
             ("forward.num_warps", self.forward.num_warps),
-            ("backward.gather", self.backward.gather),
+            ("backward.runs", self.backward.runs),
+            ("backward.chunks", self.backward.chunks),
             ("backward.num_warps", self.backward.num_warps),
         ]:
             for v in [table.default] + [v for _, v in table.by_block_d]:
                 if not pow2(v):
                     problems.append(f"{name} values must be powers of two, got {v}")
+        for name, v in [
+            ("transpose.bags_per_program", self.transpose.bags_per_program),
+            ("transpose.lookups_per_step", self.transpose.lookups_per_step),
+            ("transpose.num_warps", self.transpose.num_warps),
+        ]:
+            if not pow2(v):
+                problems.append(f"{name} must be a power of two, got {v}")
         if self.backward.short_threshold < 1:
             problems.append("backward.short_threshold must be >= 1")
         if self.backward.long_chunk < 1:

@@ -1,7 +1,7 @@
 """Backward, long runs: split-K. A run of L >= threshold lookups is cut into cdiv(L, CHUNK) chunks;
-one program reduces one chunk into its own row of a fp32 partials workspace (plain store, no
-atomics), then an apply pass reduces each run's partials in chunk order and applies the optimizer
-once. Deterministic: the reduction order depends only on the data, never on scheduling.
+CHUNKS chunks at a time are reduced by one program into their own rows of a fp32 partials workspace
+(plain stores, no atomics); then an apply pass reduces each run's partials in chunk order and applies
+the optimizer once. Deterministic: the reduction order depends only on the data, never on scheduling.
 
 Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
 per long run one row read + written and 8 B of row-wise state.
@@ -10,8 +10,8 @@ per long run one row read + written and 8 B of row-wise state.
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.grad_gather import gather_grad_sum, run_row
-from torchrec_triton_tbe.kernels.optim import apply_row_update
+from torchrec_triton_tbe.kernels.grad_gather import gather_segments, locate_rows
+from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _backward_long_partials_kernel(
     WEIGHTED: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GATHER: tl.constexpr,
+    CHUNKS: tl.constexpr,
     NPROG: tl.constexpr,
 ):
     """
@@ -48,20 +48,25 @@ def _backward_long_partials_kernel(
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    # 64-bit loop counters: chunk * partial_stride may pass 2^31.
+    lanes = tl.arange(0, CHUNKS)
+    # 64-bit counters: chunk * partial_stride may pass 2^31.
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
-    for c in range(c_begin + pid, c_end, NPROG):
-        r = tl.load(chunk_run_ptr + c)
-        first_chunk = tl.load(run_chunk_begin_ptr + r)
-        s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
-        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+    for c0 in range(c_begin + pid * CHUNKS, c_end, NPROG * CHUNKS):
+        c = c0 + lanes
+        live = c < c_end
+        r = tl.load(chunk_run_ptr + c, mask=live, other=0)
+        first_chunk = tl.load(run_chunk_begin_ptr + r, mask=live, other=0).to(tl.int64)
+        s = tl.load(run_start_ptr + r, mask=live, other=0).to(tl.int64) + (c - first_chunk) * chunk
+        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1, mask=live, other=0).to(tl.int64))
+        n = tl.where(live, e - s, 0)
         if EVEN_D:
-            cmask = cols < BLOCK_D
+            cmask = live[:, None] & (cols[None, :] < BLOCK_D)
         else:
-            pos = tl.load(perm_ptr + s)
-            cmask = cols < tl.load(feature_dim_ptr + tl.load(bags_ptr + pos) // B)
-        partial = gather_grad_sum(
+            pos = tl.load(perm_ptr + s, mask=live, other=0)
+            D = tl.load(feature_dim_ptr + tl.load(bags_ptr + pos, mask=live, other=0) // B, mask=live, other=0)
+            cmask = live[:, None] & (cols[None, :] < D[:, None])
+        partial = gather_segments(
             grad_out_ptr,
             perm_ptr,
             bags_ptr,
@@ -69,17 +74,17 @@ def _backward_long_partials_kernel(
             psw_ptr,
             feature_out_offset_ptr,
             s,
-            e,
+            n,
             B,
             total_D,
             cols,
             cmask,
             POOLING_MEAN,
             WEIGHTED,
+            CHUNKS,
             BLOCK_D,
-            GATHER,
         )
-        tl.store(partials_ptr + c * partial_stride + cols, partial, mask=cmask)
+        tl.store(partials_ptr + c[:, None] * partial_stride + cols[None, :], partial, mask=cmask)
 
 
 @triton.jit
@@ -117,7 +122,7 @@ def _backward_long_apply_kernel(
     lr = tl.load(lr_ptr)
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
-    # 64-bit loop counters: chunk * partial_stride may pass 2^31.
+    one = tl.arange(0, 1)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
     for c in range(c_begin + pid, c_end, NPROG):
@@ -125,8 +130,9 @@ def _backward_long_apply_kernel(
         first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
         if c == first_chunk:
             last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
-            s = tl.load(run_start_ptr + r).to(tl.int64)
-            w_row, state_row, D = run_row(
+            s = tl.load(run_start_ptr + r + one).to(tl.int64)  # [1]: a one-row tile
+            rmask = one == 0
+            w_row, state_row, D = locate_rows(
                 sorted_keys_ptr,
                 perm_ptr,
                 bags_ptr,
@@ -135,26 +141,30 @@ def _backward_long_apply_kernel(
                 feature_row_offset_ptr,
                 feature_dim_ptr,
                 s,
+                rmask,
                 B,
             )
             if EVEN_D:
-                cmask = cols < BLOCK_D
+                cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
             else:
-                cmask = cols < D
-            grad = tl.zeros([BLOCK_D], dtype=tl.float32)
+                cmask = rmask[:, None] & (cols[None, :] < D[:, None])
+            grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
             for k in range(first_chunk, last_chunk):
-                grad += tl.load(partials_ptr + k * partial_stride + cols, mask=cmask, other=0.0)
-            apply_row_update(
-                weights_ptr + w_row,
+                grad += tl.load(partials_ptr + k * partial_stride + cols[None, :], mask=cmask, other=0.0)
+            w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
+            w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
+            apply_rows_update(
+                w_ptrs,
+                w,
                 momentum_ptr + state_row,
                 grad,
-                cols,
                 cmask,
+                rmask,
                 D,
                 lr,
                 eps,
                 seed,
-                (state_row * BLOCK_D).to(tl.int32),
+                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32),
                 OPTIM,
                 SR_DROP_BITS,
             )

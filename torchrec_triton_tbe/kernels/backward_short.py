@@ -1,16 +1,19 @@
-"""Backward, short runs: one program owns a whole run (one unique row), so it reduces the run's
+"""Backward, short runs: each run (one unique row) is owned by one program, which reduces the run's
 gradient in registers and applies the optimizer with plain stores: no atomics, no workspace.
 
-Byte accounting per run of length L: L gathered gradient rows (see grad_gather.py) + one row read and
-written + row-wise state 8 B. Persistent grid: NPROG programs stride over the bucket's runs, whose
-bounds they read from device memory (no host sync, no data-dependent grid).
+A program takes RUNS consecutive runs at a time as one [RUNS, BLOCK_D] tile, so RUNS independent
+gathers are in flight (a run is 1-3 lookups on typical data: one run per program would leave the
+memory system idle waiting on dependent loads). Byte accounting per run of length L: L gathered
+gradient rows (grad_gather.py) + one row read and written + row-wise state 8 B. Persistent grid:
+NPROG programs stride over the bucket's run blocks, whose bounds they read from device memory (no
+host sync, no data-dependent grid).
 """
 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.grad_gather import gather_grad_sum, run_row
-from torchrec_triton_tbe.kernels.optim import apply_row_update
+from torchrec_triton_tbe.kernels.grad_gather import gather_segments, locate_rows
+from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
 @triton.jit
@@ -43,7 +46,7 @@ def _backward_short_kernel(
     WEIGHTED: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GATHER: tl.constexpr,
+    RUNS: tl.constexpr,
     NPROG: tl.constexpr,
 ):
     """
@@ -60,56 +63,64 @@ def _backward_short_kernel(
     lr = tl.load(lr_ptr)
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
-    r_begin = tl.load(bucket_run_bounds_ptr + bucket)
-    r_end = tl.load(bucket_run_bounds_ptr + bucket + 1)
-    for r in range(r_begin + pid, r_end, NPROG):
-        s = tl.load(run_start_ptr + r).to(tl.int64)
-        e = tl.load(run_start_ptr + r + 1).to(tl.int64)
-        if e - s < threshold:
-            w_row, state_row, D = run_row(
-                sorted_keys_ptr,
-                perm_ptr,
-                bags_ptr,
-                feature_key_offset_ptr,
-                feature_weight_offset_ptr,
-                feature_row_offset_ptr,
-                feature_dim_ptr,
-                s,
-                B,
-            )
-            if EVEN_D:
-                cmask = cols < BLOCK_D
-            else:
-                cmask = cols < D
-            grad = gather_grad_sum(
-                grad_out_ptr,
-                perm_ptr,
-                bags_ptr,
-                offsets_ptr,
-                psw_ptr,
-                feature_out_offset_ptr,
-                s,
-                e,
-                B,
-                total_D,
-                cols,
-                cmask,
-                POOLING_MEAN,
-                WEIGHTED,
-                BLOCK_D,
-                GATHER,
-            )
-            apply_row_update(
-                weights_ptr + w_row,
-                momentum_ptr + state_row,
-                grad,
-                cols,
-                cmask,
-                D,
-                lr,
-                eps,
-                seed,
-                (state_row * BLOCK_D).to(tl.int32),
-                OPTIM,
-                SR_DROP_BITS,
-            )
+    lanes = tl.arange(0, RUNS)
+    r_begin = tl.load(bucket_run_bounds_ptr + bucket).to(tl.int64)
+    r_end = tl.load(bucket_run_bounds_ptr + bucket + 1).to(tl.int64)
+    for r0 in range(r_begin + pid * RUNS, r_end, NPROG * RUNS):
+        r = r0 + lanes
+        s = tl.load(run_start_ptr + r, mask=r < r_end, other=0).to(tl.int64)
+        e = tl.load(run_start_ptr + r + 1, mask=r < r_end, other=0).to(tl.int64)
+        mine = (r < r_end) & (e - s < threshold)
+        n = tl.where(mine, e - s, 0)
+        w_row, state_row, D = locate_rows(
+            sorted_keys_ptr,
+            perm_ptr,
+            bags_ptr,
+            feature_key_offset_ptr,
+            feature_weight_offset_ptr,
+            feature_row_offset_ptr,
+            feature_dim_ptr,
+            s,
+            mine,
+            B,
+        )
+        if EVEN_D:
+            cmask = mine[:, None] & (cols[None, :] < BLOCK_D)
+        else:
+            cmask = mine[:, None] & (cols[None, :] < D[:, None])
+        # Issue the weight-row loads before the gather so they overlap it.
+        w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
+        w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
+        grad = gather_segments(
+            grad_out_ptr,
+            perm_ptr,
+            bags_ptr,
+            offsets_ptr,
+            psw_ptr,
+            feature_out_offset_ptr,
+            s,
+            n,
+            B,
+            total_D,
+            cols,
+            cmask,
+            POOLING_MEAN,
+            WEIGHTED,
+            RUNS,
+            BLOCK_D,
+        )
+        apply_rows_update(
+            w_ptrs,
+            w,
+            momentum_ptr + state_row,
+            grad,
+            cmask,
+            mine,
+            D,
+            lr,
+            eps,
+            seed,
+            (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32),
+            OPTIM,
+            SR_DROP_BITS,
+        )

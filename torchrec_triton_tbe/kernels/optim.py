@@ -1,6 +1,6 @@
-"""Fused optimizer steps as device functions, shared by the short-run and long-run apply kernels.
+"""Fused optimizer steps as device functions, shared by the short-run and long-run kernels.
 
-Each call updates exactly one row with its fully reduced gradient ``g`` (fp32, BLOCK_D wide), so a
+Each call updates a tile of R rows, each with its fully reduced gradient (fp32, [R, BLOCK_D]), so a
 row gets one step per backward however many lookups touched it (FBGEMM's "EXACT" optimizers).
 Byte accounting per unique row: read + write D weights, and for row-wise Adagrad 4 + 4 bytes of state.
 """
@@ -8,13 +8,13 @@ Byte accounting per unique row: read + write D weights, and for row-wise Adagrad
 import triton
 import triton.language as tl
 
-# OPTIM values (ops/backward.py maps FBGEMM's EmbOptimType onto them).
+# OPTIM values (ops/spec.py's Optim).
 EXACT_SGD: tl.constexpr = tl.constexpr(0)
 EXACT_ROWWISE_ADAGRAD: tl.constexpr = tl.constexpr(1)
 
 
 @triton.jit
-def store_rounded(w_ptrs, w, cmask, seed, rng_offsets, SR_DROP_BITS: tl.constexpr):
+def store_rounded(w_ptrs, w, mask, seed, rng_offsets, SR_DROP_BITS: tl.constexpr):
     """Store fp32 ``w`` into the weights' dtype. With SR_DROP_BITS > 0 (fp16: 13, bf16: 16 dropped
     mantissa bits) round stochastically: add uniform random bits below the kept mantissa, then
     truncate, so E[stored] == w (FBGEMM's stochastic_rounding). The truncated fp32 value is exactly
@@ -24,31 +24,31 @@ def store_rounded(w_ptrs, w, cmask, seed, rng_offsets, SR_DROP_BITS: tl.constexp
         bits = w.to(tl.int32, bitcast=True)
         noise = (tl.randint(seed, rng_offsets) & low).to(tl.int32)
         w = ((bits + noise) & ~low).to(tl.float32, bitcast=True)
-    tl.store(w_ptrs, w.to(w_ptrs.dtype.element_ty), mask=cmask)
+    tl.store(w_ptrs, w.to(w_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def apply_row_update(
-    w_row_ptr,
-    momentum_ptr,
+def apply_rows_update(
+    w_ptrs,
+    w,
+    momentum_ptrs,
     g,
-    cols,
-    cmask,
+    mask,
+    rmask,
     D,
     lr,
     eps,
     seed,
-    rng_base,
+    rng_offsets,
     OPTIM: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
 ):
-    """w_row_ptr: first element of the row; momentum_ptr: the row's fp32 state (row-wise Adagrad)."""
-    w = tl.load(w_row_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    """w_ptrs / w / g / mask: [R, BLOCK_D] (w already loaded, as fp32). momentum_ptrs / rmask / D: [R]."""
     if OPTIM == EXACT_ROWWISE_ADAGRAD:
         # FBGEMM: m += mean(g^2) over D; w -= lr / (sqrt(m) + eps) * g (multiplier formed first).
-        m = tl.load(momentum_ptr) + tl.sum(g * g, axis=0) / D.to(tl.float32)
-        tl.store(momentum_ptr, m)
-        w = w - (lr / (tl.sqrt(m) + eps)) * g
+        m = tl.load(momentum_ptrs, mask=rmask, other=0.0) + tl.sum(g * g, axis=1) / D.to(tl.float32)
+        tl.store(momentum_ptrs, m, mask=rmask)
+        w = w - (lr / (tl.sqrt(m) + eps))[:, None] * g
     else:
         w = w - lr * g
-    store_rounded(w_row_ptr + cols, w, cmask, seed, rng_base + cols, SR_DROP_BITS)
+    store_rounded(w_ptrs, w, mask, seed, rng_offsets, SR_DROP_BITS)

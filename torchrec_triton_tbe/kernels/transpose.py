@@ -1,7 +1,8 @@
 """Transpose kernels: lookups in batch order -> sort keys, then sorted keys -> runs (one per row).
 
 Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8 B) and a bag id
-(4 B); run boundaries read one key and one running head count (4 B each) and write 4 B per run.
+(4 B); run flags read one key (its neighbour comes from cache) and write 4 B; run starts read a key
+and a running count (4 B each) and write 4 B per run.
 """
 
 import triton
@@ -16,43 +17,54 @@ def _linearize_kernel(
     keys_ptr,
     bags_ptr,
     B,
-    GATHER: tl.constexpr,
-    BAGS: tl.constexpr,
+    BLOCK_BAGS: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the table's
-    rows in bucket-ordered key space; features sharing a table share keys, so their gradients merge
-    into one run) and bag id t*B + b.
+    Grid: [cdiv(B, BLOCK_BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
+    table's rows in bucket-ordered key space; features sharing a table share keys, so their gradients
+    merge into one run) and bag id t*B + b. A program walks BLOCK_BAGS bags side by side, STEP
+    lookups of each per step, so consecutive lanes read consecutive ids.
 
     indices_ptr: [N] int32/int64 ids; offsets_ptr: [T*B + 1].
     feature_key_offset_ptr: [T] int64.
     keys_ptr: [N] int32/int64 out (pre-filled with the sentinel for lookups outside every bag).
     bags_ptr: [N] int32 out.
     """
-    pid_b = tl.program_id(0)
     t = tl.program_id(1)
+    b = tl.program_id(0) * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS)
+    bmask = b < B
+    bag = t.to(tl.int64) * B + b
+    start = tl.load(offsets_ptr + bag, mask=bmask, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1, mask=bmask, other=0).to(tl.int64)
+    n = tl.where(bmask, end - start, 0)
     key0 = tl.load(feature_key_offset_ptr + t)
-    g = tl.arange(0, GATHER)
-    for bb in tl.static_range(BAGS):
-        b = pid_b * BAGS + bb
-        if b < B:
-            bag = t.to(tl.int64) * B + b
-            start = tl.load(offsets_ptr + bag).to(tl.int64)
-            end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-            for j in range(start, end, GATHER):
-                lmask = (j + g) < end
-                idx = tl.load(indices_ptr + j + g, mask=lmask, other=0).to(tl.int64)
-                tl.store(keys_ptr + j + g, (key0 + idx).to(keys_ptr.dtype.element_ty), mask=lmask)
-                tl.store(bags_ptr + j + g, bag.to(tl.int32), mask=lmask)
+    steps = tl.arange(0, STEP)
+    for j in range(0, tl.max(n, axis=0), STEP):
+        m = (j + steps)[None, :] < n[:, None]
+        p = start[:, None] + j + steps[None, :]
+        idx = tl.load(indices_ptr + p, mask=m, other=0).to(tl.int64)
+        tl.store(keys_ptr + p, (key0 + idx).to(keys_ptr.dtype.element_ty), mask=m)
+        tl.store(bags_ptr + p, (bag[:, None] + 0 * p).to(tl.int32), mask=m)
+
+
+@triton.jit
+def _run_flags_kernel(sorted_keys_ptr, flags_ptr, N, BLOCK: tl.constexpr):
+    """flags[i] = 1 where a run starts (i == 0 or key differs from the previous slot), else 0."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    key = tl.load(sorted_keys_ptr + i, mask=m)
+    prev = tl.load(sorted_keys_ptr + i - 1, mask=m & (i > 0))
+    head = (i == 0) | (key != prev)
+    tl.store(flags_ptr + i, head.to(flags_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _run_starts_kernel(sorted_keys_ptr, run_count_ptr, run_start_ptr, N, BLOCK: tl.constexpr):
     """
-    Grid: [cdiv(N, BLOCK)]. Position i starts a run when its key differs from position i-1's;
-    run_count[i] is the inclusive count of run starts up to i, so the run starting at i is number
-    run_count[i] - 1 and run_start[run_count[i] - 1] = i. Every run start is written by exactly one
-    program: no atomics, deterministic.
+    Grid: [cdiv(N, BLOCK)]. run_count[i] is the inclusive count of run starts up to slot i, so the
+    run starting at i is number run_count[i] - 1 and run_start[run_count[i] - 1] = i. Every run start
+    is written by exactly one program: no atomics, deterministic.
     """
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N

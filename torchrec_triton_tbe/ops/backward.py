@@ -128,7 +128,7 @@ def fused_update(
             SR_DROP_BITS=spec.sr_drop_bits,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            GATHER=bcfg.gather.get(bd),
+            RUNS=bcfg.runs.get(bd),
             **common,
         )
         _backward_long_partials_kernel[(nprog,)](
@@ -151,7 +151,7 @@ def fused_update(
             partial_stride,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            GATHER=bcfg.gather.get(bd),
+            CHUNKS=bcfg.chunks.get(bd),
             **common,
         )
         _backward_long_apply_kernel[(nprog,)](

@@ -86,7 +86,7 @@ def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning
 
 def _repaired_offsets(offsets: torch.Tensor, N: int) -> torch.Tensor:
     fixed = offsets.clone()
-    fixed[-1] = N
+    fixed[-1:].fill_(N)  # fill_, not item assignment: no host-to-device copy, no sync
     return torch.cummax(fixed.clamp(0, N), dim=0).values
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import triton
 
-from torchrec_triton_tbe.kernels.transpose import _linearize_kernel, _run_starts_kernel
+from torchrec_triton_tbe.kernels.transpose import _linearize_kernel, _run_flags_kernel, _run_starts_kernel
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 RUN_STARTS_BLOCK = 1024
@@ -57,7 +57,7 @@ def _index_dtype(n: int) -> torch.dtype:
 def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int):
     """Sort key and bag id of every lookup (lookups outside every bag get the sentinel key)."""
     N = indices.numel()
-    plan, cfg = spec.plan, spec.config.forward
+    plan, cfg = spec.plan, spec.config.transpose
     keys = torch.full((N,), plan.sentinel_key, dtype=plan.key_dtype, device=indices.device)
     bags = torch.empty(N, dtype=torch.int32, device=indices.device)
     if N and B:
@@ -68,9 +68,9 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
             keys,
             bags,
             B,
-            GATHER=cfg.gather.default,
-            BAGS=cfg.bags_per_program,
-            num_warps=1,
+            BLOCK_BAGS=cfg.bags_per_program,
+            STEP=cfg.lookups_per_step,
+            num_warps=cfg.num_warps,
         )
     return keys, bags
 
@@ -84,11 +84,10 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     sorted_keys, perm = torch.sort(keys, stable=True)
     idt = _index_dtype(N + 1)
 
-    heads = torch.empty(N, dtype=torch.bool, device=device)
+    flags = torch.empty(N, dtype=idt, device=device)
     if N:
-        heads[0] = True
-        torch.ne(sorted_keys[1:], sorted_keys[:-1], out=heads[1:])
-    run_count = torch.cumsum(heads, 0, dtype=idt)
+        _run_flags_kernel[(triton.cdiv(N, RUN_STARTS_BLOCK),)](sorted_keys, flags, N, BLOCK=RUN_STARTS_BLOCK)
+    run_count = torch.cumsum(flags, 0, dtype=idt)
     run_start = torch.full((N + 1,), N, dtype=idt, device=device)
     if N:
         _run_starts_kernel[(triton.cdiv(N, RUN_STARTS_BLOCK),)](
