@@ -62,8 +62,7 @@ class TransposeConfig:
 class BackwardConfig:
     short_threshold: int  # runs with at least this many lookups take the long (split-K) path
     long_chunk: int  # lookups per split-K chunk of a long run
-    runs: KnobTable  # short runs reduced side by side per program (by BLOCK_D)
-    chunks: KnobTable  # long-run chunks reduced side by side per program (by BLOCK_D)
+    tile: KnobTable  # sorted slots gathered side by side per program step (by BLOCK_D)
     num_warps: KnobTable
     programs: int  # persistent grid size when programs_per_sm == 0
     programs_per_sm: int
@@ -109,8 +108,7 @@ class KernelConfig:
             backward=BackwardConfig(
                 short_threshold=int(b["short_threshold"]),
                 long_chunk=int(b["long_chunk"]),
-                runs=KnobTable.parse(b["runs"], "backward.runs"),
-                chunks=KnobTable.parse(b["chunks"], "backward.chunks"),
+                tile=KnobTable.parse(b["tile"], "backward.tile"),
                 num_warps=KnobTable.parse(b["num_warps"], "backward.num_warps"),
                 programs=int(b.get("programs", 0)),
                 programs_per_sm=int(b.get("programs_per_sm", 0)),
@@ -130,8 +128,7 @@ class KernelConfig:
         for name, table in [
             ("forward.gather", self.forward.gather),
             ("forward.num_warps", self.forward.num_warps),
-            ("backward.runs", self.backward.runs),
-            ("backward.chunks", self.backward.chunks),
+            ("backward.tile", self.backward.tile),
             ("backward.num_warps", self.backward.num_warps),
         ]:
             for v in [table.default] + [v for _, v in table.by_block_d]:

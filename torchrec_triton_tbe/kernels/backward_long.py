@@ -1,6 +1,6 @@
 """Backward, long runs: split-K. A run of L >= threshold lookups is cut into cdiv(L, CHUNK) chunks;
-CHUNKS chunks at a time are reduced by one program into their own rows of a fp32 partials workspace
-(plain stores, no atomics); then an apply pass reduces each run's partials in chunk order and applies
+one program reduces one chunk (TILE slots per step) into its own row of a fp32 partials workspace
+(plain store, no atomics); then an apply pass reduces each run's partials in chunk order and applies
 the optimizer once. Deterministic: the reduction order depends only on the data, never on scheduling.
 
 Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
@@ -10,7 +10,7 @@ per long run one row read + written and 8 B of row-wise state.
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.grad_gather import gather_segments, locate_rows
+from torchrec_triton_tbe.kernels.grad_gather import gather_rows, locate_rows
 from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
@@ -18,10 +18,9 @@ from torchrec_triton_tbe.kernels.optim import apply_rows_update
 def _backward_long_partials_kernel(
     partials_ptr,
     grad_out_ptr,
-    perm_ptr,
-    bags_ptr,
+    sorted_bags_ptr,
+    sorted_psw_ptr,
     offsets_ptr,
-    psw_ptr,
     run_start_ptr,
     chunk_run_ptr,
     run_chunk_begin_ptr,
@@ -36,8 +35,9 @@ def _backward_long_partials_kernel(
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    TILE: tl.constexpr,
     NPROG: tl.constexpr,
 ):
     """
@@ -48,43 +48,25 @@ def _backward_long_partials_kernel(
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    lanes = tl.arange(0, CHUNKS)
+    lanes = tl.arange(0, TILE)
     # 64-bit counters: chunk * partial_stride may pass 2^31.
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
-    for c0 in range(c_begin + pid * CHUNKS, c_end, NPROG * CHUNKS):
-        c = c0 + lanes
-        live = c < c_end
-        r = tl.load(chunk_run_ptr + c, mask=live, other=0)
-        first_chunk = tl.load(run_chunk_begin_ptr + r, mask=live, other=0).to(tl.int64)
-        s = tl.load(run_start_ptr + r, mask=live, other=0).to(tl.int64) + (c - first_chunk) * chunk
-        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1, mask=live, other=0).to(tl.int64))
-        n = tl.where(live, e - s, 0)
-        if EVEN_D:
-            cmask = live[:, None] & (cols[None, :] < BLOCK_D)
-        else:
-            pos = tl.load(perm_ptr + s, mask=live, other=0)
-            D = tl.load(feature_dim_ptr + tl.load(bags_ptr + pos, mask=live, other=0) // B, mask=live, other=0)
-            cmask = live[:, None] & (cols[None, :] < D[:, None])
-        partial = gather_segments(
-            grad_out_ptr,
-            perm_ptr,
-            bags_ptr,
-            offsets_ptr,
-            psw_ptr,
-            feature_out_offset_ptr,
-            s,
-            n,
-            B,
-            total_D,
-            cols,
-            cmask,
-            POOLING_MEAN,
-            WEIGHTED,
-            CHUNKS,
-            BLOCK_D,
-        )
-        tl.store(partials_ptr + c[:, None] * partial_stride + cols[None, :], partial, mask=cmask)
+    for c in range(c_begin + pid, c_end, NPROG):
+        r = tl.load(chunk_run_ptr + c)
+        first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+        s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
+        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+        partial = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j0 in range(s, e, TILE):
+            k = j0 + lanes
+            g, _, _ = gather_rows(
+                grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
+                k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            )
+            partial += tl.sum(g, axis=0)
+        # Columns past D are zeros (masked loads); the apply pass never reads them.
+        tl.store(partials_ptr + c * partial_stride + cols, partial)
 
 
 @triton.jit
@@ -95,8 +77,7 @@ def _backward_long_apply_kernel(
     seed_ptr,
     partials_ptr,
     sorted_keys_ptr,
-    perm_ptr,
-    bags_ptr,
+    sorted_bags_ptr,
     run_start_ptr,
     chunk_run_ptr,
     run_chunk_begin_ptr,
@@ -112,6 +93,7 @@ def _backward_long_apply_kernel(
     OPTIM: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NPROG: tl.constexpr,
 ):
@@ -132,17 +114,10 @@ def _backward_long_apply_kernel(
             last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
             s = tl.load(run_start_ptr + r + one).to(tl.int64)  # [1]: a one-row tile
             rmask = one == 0
+            t = tl.load(sorted_bags_ptr + s) // B
             w_row, state_row, D = locate_rows(
-                sorted_keys_ptr,
-                perm_ptr,
-                bags_ptr,
-                feature_key_offset_ptr,
-                feature_weight_offset_ptr,
-                feature_row_offset_ptr,
-                feature_dim_ptr,
-                s,
-                rmask,
-                B,
+                sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
+                feature_dim_ptr, s, t, rmask, ALIGN,
             )
             if EVEN_D:
                 cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
@@ -154,17 +129,6 @@ def _backward_long_apply_kernel(
             w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
             w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
             apply_rows_update(
-                w_ptrs,
-                w,
-                momentum_ptr + state_row,
-                grad,
-                cmask,
-                rmask,
-                D,
-                lr,
-                eps,
-                seed,
-                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32),
-                OPTIM,
-                SR_DROP_BITS,
+                w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
+                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
             )

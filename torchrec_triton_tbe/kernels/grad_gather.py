@@ -1,12 +1,12 @@
-"""Gathering the output-gradient rows that flow into embedding rows, R segments at a time.
+"""Gathering output-gradient rows for a tile of sorted lookup slots.
 
-A segment is a run (short path) or a chunk of a run (long path): sorted lookups [s_r, e_r). R
-segments advance together, one lookup each per step, so a program has R independent dependent-load
-chains (sorted slot -> lookup position -> bag -> gradient row) in flight instead of one.
+After the sort, slot k holds one lookup: its row key, its bag (sorted_bags[k] = t*B + b) and, when
+weighted, its per-sample weight. A tile of TILE consecutive slots loads TILE bag ids with one
+coalesced load and then TILE independent gradient rows, so every program keeps TILE row loads in
+flight behind a single dependent step.
 
-Byte accounting per lookup: sorted position (8 B), bag id (4 B), the feature's output column (4 B,
-cached), [psw 4 B], [two offsets for MEAN], and one D-wide gradient row (D * 4 B for fp32 gradients,
-the dominant term).
+Byte accounting per lookup: bag id 4 B (+ psw 4 B, + two offsets for MEAN, mostly cached) and one
+D-wide gradient row (D * 4 B for fp32 gradients: the dominant term).
 """
 
 import triton
@@ -14,71 +14,71 @@ import triton.language as tl
 
 
 @triton.jit
-def gather_segments(
+def gather_rows(
     grad_out_ptr,
-    perm_ptr,
-    bags_ptr,
+    sorted_bags_ptr,
+    sorted_psw_ptr,
     offsets_ptr,
-    psw_ptr,
     feature_out_offset_ptr,
-    s,
-    n,
+    feature_dim_ptr,
+    k,
+    m,
     B,
     total_D,
     cols,
-    cmask,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    R: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """s, n: [R] first sorted slot and length of each segment (n == 0: inactive).
-    cmask: [R, BLOCK_D]. Returns [R, BLOCK_D] fp32: sum_j scale * grad_out[b_j, out_offset[t_j] + cols],
-    accumulated in slot order (bitwise reproducible). scale = psw (weighted) / bag length (MEAN)."""
-    acc = tl.zeros([R, BLOCK_D], dtype=tl.float32)
-    for j in range(0, tl.max(n, axis=0)):
-        m = j < n
-        pos = tl.load(perm_ptr + s + j, mask=m, other=0)
-        bag = tl.load(bags_ptr + pos, mask=m, other=0)
-        t = bag // B
-        b = bag - t * B
-        o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
-        row = b.to(tl.int64) * total_D + o_col
-        go = tl.load(grad_out_ptr + row[:, None] + cols[None, :], mask=m[:, None] & cmask, other=0.0)
-        go = go.to(tl.float32)
-        if WEIGHTED or POOLING_MEAN:
-            scale = tl.full([R], 1.0, tl.float32)
-            if WEIGHTED:
-                scale = tl.load(psw_ptr + pos, mask=m, other=0.0).to(tl.float32)
-            if POOLING_MEAN:
-                bag64 = bag.to(tl.int64)
-                L = tl.load(offsets_ptr + bag64 + 1, mask=m, other=1) - tl.load(offsets_ptr + bag64, mask=m, other=0)
-                scale = scale / tl.maximum(L, 1).to(tl.float32)
-            go = go * scale[:, None]
-        acc += go
-    return acc
+    """k, m: [S] sorted slots and their mask. Returns (rows, t, cmask): rows [S, BLOCK_D] fp32 =
+    scale * grad_out[b, out_offset[t] + cols] with scale = psw (weighted) / bag length (MEAN); t [S]
+    the feature of each slot; cmask [S, BLOCK_D] the live elements."""
+    bag = tl.load(sorted_bags_ptr + k, mask=m, other=0)
+    t = bag // B
+    b = bag - t * B
+    o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
+    if EVEN_D:
+        cmask = m[:, None] & (cols[None, :] < BLOCK_D)
+    else:
+        cmask = m[:, None] & (cols[None, :] < tl.load(feature_dim_ptr + t, mask=m, other=0)[:, None])
+    row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+    go = tl.load(grad_out_ptr + row[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+    if WEIGHTED or POOLING_MEAN:
+        scale = tl.full(k.shape, 1.0, tl.float32)
+        if WEIGHTED:
+            scale = tl.load(sorted_psw_ptr + k, mask=m, other=0.0)
+        if POOLING_MEAN:
+            bag64 = bag.to(tl.int64)
+            L = tl.load(offsets_ptr + bag64 + 1, mask=m, other=1) - tl.load(offsets_ptr + bag64, mask=m, other=0)
+            scale = scale / tl.maximum(L, 1).to(tl.float32)
+        go = go * scale[:, None]
+    return go, t, cmask
 
 
 @triton.jit
 def locate_rows(
     sorted_keys_ptr,
-    perm_ptr,
-    bags_ptr,
     feature_key_offset_ptr,
     feature_weight_offset_ptr,
     feature_row_offset_ptr,
     feature_dim_ptr,
-    s,
-    rmask,
-    B,
+    k,
+    t,
+    m,
+    ALIGN: tl.constexpr,
 ):
-    """For R runs starting at sorted slots ``s``: (row start in the flat weights, per-row optimizer
-    state index, D). Any lookup of a run names its table; the first one is used."""
-    key = tl.load(sorted_keys_ptr + s, mask=rmask, other=0).to(tl.int64)
-    pos = tl.load(perm_ptr + s, mask=rmask, other=0)
-    t = tl.load(bags_ptr + pos, mask=rmask, other=0) // B
-    row = key - tl.load(feature_key_offset_ptr + t, mask=rmask, other=0)
-    D = tl.load(feature_dim_ptr + t, mask=rmask, other=1)
-    w_row = tl.load(feature_weight_offset_ptr + t, mask=rmask, other=0) + row * D
-    state_row = tl.load(feature_row_offset_ptr + t, mask=rmask, other=0) + row
+    """For slots k of features t: (row start in the flat weights, per-row optimizer state index, D)."""
+    key = tl.load(sorted_keys_ptr + k, mask=m, other=0).to(tl.int64)
+    row = key - tl.load(feature_key_offset_ptr + t, mask=m, other=0)
+    D = tl.load(feature_dim_ptr + t, mask=m, other=1)
+    w_row = tl.multiple_of(tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D, ALIGN)
+    state_row = tl.load(feature_row_offset_ptr + t, mask=m, other=0) + row
     return w_row, state_row, D
+
+
+@triton.jit
+def segmented_add(a_val, a_head, b_val, b_head):
+    """Combine of a segmented inclusive sum: a new segment (b_head) restarts the sum."""
+    return tl.where(b_head != 0, b_val, a_val + b_val), a_head | b_head

@@ -88,18 +88,31 @@ def fused_update(
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
     nprog = bcfg.grid_programs(grad_out.device)
     weighted = per_sample_weights is not None
-    psw = per_sample_weights if weighted else grad_out
+    # Per-sample weights in sorted order (fp32), so the kernels read them coalesced.
+    sorted_psw = per_sample_weights.float()[runs.perm] if weighted else grad_out
     momentum = state.momentum if state.momentum.numel() else state.learning_rate
     partial_stride = max(b.block_d for b in plan.buckets)
-    # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated lazily per batch
-    # (the caching allocator makes this free in steady state) and never read past the live chunks.
+    # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated per batch (the caching
+    # allocator makes this free in steady state) and never read past the live chunks.
     partials = torch.empty(runs.max_chunks * partial_stride, dtype=torch.float32, device=grad_out.device)
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
             continue
         bd = bucket.block_d
         common = dict(
-            EVEN_D=spec.bucket_even_d[k], BLOCK_D=bd, NPROG=nprog, num_warps=bcfg.num_warps.get(bd)
+            EVEN_D=spec.bucket_even_d[k],
+            ALIGN=spec.bucket_align[k],
+            BLOCK_D=bd,
+            NPROG=nprog,
+            num_warps=bcfg.num_warps.get(bd),
+        )
+        update = dict(OPTIM=int(spec.optimizer), SR_DROP_BITS=spec.sr_drop_bits)
+        layout = (
+            tensors.feature_out_offset,
+            tensors.feature_key_offset,
+            tensors.feature_weight_offset,
+            tensors.feature_row_offset,
+            tensors.feature_dim,
         )
         _backward_short_kernel[(nprog,)](
             state.weights,
@@ -108,36 +121,30 @@ def fused_update(
             state.step,
             grad_out,
             runs.sorted_keys,
-            runs.perm,
-            runs.bags,
+            runs.sorted_bags,
+            sorted_psw,
             offsets,
-            psw,
+            runs.run_count,
             runs.run_start,
-            runs.bucket_run_bounds,
-            tensors.feature_out_offset,
-            tensors.feature_key_offset,
-            tensors.feature_weight_offset,
-            tensors.feature_row_offset,
-            tensors.feature_dim,
+            runs.bucket_slot_bounds,
+            *layout,
             k,
             B,
             plan.total_D,
             runs.threshold,
             state.eps,
-            OPTIM=int(spec.optimizer),
-            SR_DROP_BITS=spec.sr_drop_bits,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            RUNS=bcfg.runs.get(bd),
+            TILE=bcfg.tile.get(bd),
+            **update,
             **common,
         )
         _backward_long_partials_kernel[(nprog,)](
             partials,
             grad_out,
-            runs.perm,
-            runs.bags,
+            runs.sorted_bags,
+            sorted_psw,
             offsets,
-            psw,
             runs.run_start,
             runs.chunk_run,
             runs.run_chunk_begin,
@@ -151,7 +158,7 @@ def fused_update(
             partial_stride,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            CHUNKS=bcfg.chunks.get(bd),
+            TILE=bcfg.tile.get(bd),
             **common,
         )
         _backward_long_apply_kernel[(nprog,)](
@@ -161,8 +168,7 @@ def fused_update(
             state.step,
             partials,
             runs.sorted_keys,
-            runs.perm,
-            runs.bags,
+            runs.sorted_bags,
             runs.run_start,
             runs.chunk_run,
             runs.run_chunk_begin,
@@ -175,7 +181,6 @@ def fused_update(
             B,
             partial_stride,
             state.eps,
-            OPTIM=int(spec.optimizer),
-            SR_DROP_BITS=spec.sr_drop_bits,
+            **update,
             **common,
         )

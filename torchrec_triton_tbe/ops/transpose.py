@@ -25,9 +25,11 @@ class RunPlan:
     num_lookups: int  # N
     sorted_keys: torch.Tensor  # [N] key_dtype
     perm: torch.Tensor  # [N] int64: original lookup position of each sorted slot
-    bags: torch.Tensor  # [N] int32: t*B + b of each original position
+    sorted_bags: torch.Tensor  # [N] int32: t*B + b of each sorted slot
+    run_count: torch.Tensor  # [N] inclusive count of run starts: slot k is in run run_count[k] - 1
     run_start: torch.Tensor  # [N + 1] int32/int64: first slot of run r; N for r >= num_runs
-    bucket_run_bounds: torch.Tensor  # [K + 1] int64 (device): bucket k owns runs [b[k], b[k+1])
+    bucket_slot_bounds: torch.Tensor  # [K + 1] (device): bucket k owns slots [b[k], b[k+1])
+    bucket_run_bounds: torch.Tensor  # [K + 1] (device): bucket k owns runs [b[k], b[k+1])
     threshold: int
     chunk: int
     max_chunks: int  # upper bound of long-run chunks (workspace rows)
@@ -82,6 +84,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     keys, bags = linearize(spec, indices, offsets, B)
     # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
     sorted_keys, perm = torch.sort(keys, stable=True)
+    sorted_bags = bags[perm]
     idt = _index_dtype(N + 1)
 
     flags = torch.empty(N, dtype=idt, device=device)
@@ -111,8 +114,10 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         num_lookups=N,
         sorted_keys=sorted_keys,
         perm=perm,
-        bags=bags,
+        sorted_bags=sorted_bags,
+        run_count=run_count,
         run_start=run_start,
+        bucket_slot_bounds=bucket_slots,
         bucket_run_bounds=bucket_run_bounds,
         threshold=threshold,
         chunk=chunk,

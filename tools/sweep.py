@@ -1,0 +1,134 @@
+"""Sweep the kernel knobs of configs/<target>.yaml on the GPU and report (optionally write) the best.
+
+    python tools/sweep.py --target sm90 [--part fwd,bwd] [--shapes uniform,zipf] [--write] [--json out.json]
+
+For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
+the forward over the forward grid (bags_per_program x gather x num_warps at that shape's BLOCK_D) and
+the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm, plus the
+short/long threshold and chunk), each the median of CUDA-event timings after a warm-up. The winner
+of each knob is the configuration with the smallest total time over the swept shapes; ``--write``
+stores it into configs/<target>.yaml (and marks it tuned). Knobs change speed, never results; the CPU
+test suite proves that for every knob (tests/test_routing.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+from pathlib import Path
+
+import torch
+import triton
+import yaml
+
+from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, SparseType
+from torchrec_triton_tbe.config import KnobTable, config_dir, load_named
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops import backward as bwd_ops
+from torchrec_triton_tbe.ops import transpose as tr_ops
+
+SHAPES = {
+    "uniform": dict(B=65536, T=32, E=1_000_000, D=128, L=20, alpha=1.0),
+    "zipf": dict(B=65536, T=32, E=1_000_000, D=128, L=20, alpha=1.15),
+    "short": dict(B=131072, T=8, E=10_000_000, D=128, L=4, alpha=1.0),
+    "default": dict(B=512, T=32, E=100_000, D=128, L=20, alpha=1.0),
+    "d32": dict(B=65536, T=32, E=1_000_000, D=32, L=20, alpha=1.0),
+    "d64": dict(B=65536, T=32, E=1_000_000, D=64, L=20, alpha=1.15),
+}
+FWD_GRID = dict(bags_per_program=[1, 2, 4], gather=[2, 4, 8], num_warps=[1, 2, 4])
+BWD_GRID = dict(tile=[16, 32, 64], num_warps=[2, 4, 8], programs_per_sm=[4, 8, 16])
+ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[256, 1024])
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
+
+
+def with_table(table: KnobTable, block_d: int, value: int) -> KnobTable:
+    d = dict(table.by_block_d)
+    d[block_d] = value
+    return KnobTable(table.default, tuple(sorted(d.items())))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="sm90")
+    ap.add_argument("--part", default="fwd,bwd")
+    ap.add_argument("--shapes", default="uniform,zipf")
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+    from fbgemm_gpu.tbe.utils import generate_requests
+
+    base = load_named(args.target)
+    dev = torch.device("cuda")
+    results = {"fwd": {}, "bwd": {}, "route": {}}
+    parts = args.part.split(",")
+    for name in args.shapes.split(","):
+        s = SHAPES[name]
+        B, T, E, D, L = s["B"], s["T"], s["E"], s["D"], s["L"]
+        bd = triton.next_power_of_2(D)
+        m = TritonTBE([(E, D)] * T, device=dev, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                      weights_precision=SparseType.FP16, bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base)
+        req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
+        idx, off = req.indices.to(dev), req.offsets.to(dev)
+        grad = torch.randn(B, T * D, device=dev)
+        if "fwd" in parts:
+            for bags, gather, warps in itertools.product(*FWD_GRID.values()):
+                cfg = base.replace_forward(
+                    bags_per_program=bags,
+                    gather=with_table(base.forward.gather, bd, gather),
+                    num_warps=with_table(base.forward.num_warps, bd, warps),
+                )
+                m.set_kernel_config(cfg)
+                with torch.no_grad():
+                    t = median_ms(lambda: m(idx, off))
+                results["fwd"].setdefault((bags, gather, warps), {})[name] = t
+                print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps}: {t:.3f} ms", flush=True)
+        if "bwd" in parts:
+            state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
+            for tile, warps, pps in itertools.product(*BWD_GRID.values()):
+                cfg = base.replace_backward(
+                    tile=with_table(base.backward.tile, bd, tile),
+                    num_warps=with_table(base.backward.num_warps, bd, warps),
+                    programs_per_sm=pps,
+                )
+                spec = dataclasses.replace(m.spec, config=cfg)
+                runs = tr_ops.build_runs(spec, idx, off, B)
+                t = median_ms(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, None, B))
+                results["bwd"].setdefault((tile, warps, pps), {})[name] = t
+                print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps}: {t:.3f} ms", flush=True)
+    best = {}
+    for part, table in results.items():
+        if table:
+            key, times = min(table.items(), key=lambda kv: sum(kv[1].values()))
+            best[part] = (key, times)
+            print(f"best {part}: {key} -> {times}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({p: [{"knobs": list(k), "ms": v} for k, v in t.items()] for p, t in results.items()}, fh, indent=1)
+    if args.write and best:
+        path = Path(config_dir()) / f"{args.target}.yaml"
+        doc = yaml.safe_load(path.read_text())
+        bd = triton.next_power_of_2(SHAPES[args.shapes.split(",")[0]]["D"])
+        if "fwd" in best:
+            bags, gather, warps = best["fwd"][0]
+            doc["forward"]["bags_per_program"] = bags
+            doc["forward"]["gather"][bd] = gather
+            doc["forward"]["num_warps"][bd] = warps
+        if "bwd" in best:
+            tile, warps, pps = best["bwd"][0]
+            doc["backward"]["tile"][bd] = tile
+            doc["backward"]["num_warps"][bd] = warps
+            doc["backward"]["programs_per_sm"] = pps
+        doc["tuned"] = True
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
