@@ -39,7 +39,7 @@ SHAPES = {
     "d64": dict(B=65536, T=32, E=1_000_000, D=64, L=20, alpha=1.15),
 }
 FWD_GRID = dict(bags_per_program=[1, 2, 4], gather=[2, 4, 8], num_warps=[1, 2, 4])
-BWD_GRID = dict(tile=[16, 32, 64], num_warps=[2, 4, 8], programs_per_sm=[4, 8, 16])
+BWD_GRID = dict(tile=[16, 32, 64], num_warps=[4, 8], programs_per_sm=[4, 8])
 ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[256, 1024])
 
 

@@ -35,6 +35,7 @@ def _check_indices_kernel(
     warning_ptr,
     first_bad_ptr,
     B,
+    N,
     MODE: tl.constexpr,
     GATHER: tl.constexpr,
     BAGS: tl.constexpr,
@@ -46,14 +47,14 @@ def _check_indices_kernel(
     offsets_ptr: [T*B + 1] bag boundaries.
     feature_rows_ptr: [T] int64 rows of each feature's table.
     warning_ptr: int64[1] count of repaired ids (MODE == REPAIR_COUNT).
-    first_bad_ptr: int64[1] smallest bad position, pre-filled with N (MODE == CHECK_ONLY).
+    first_bad_ptr: int64[1] smallest bad position, pre-filled with N = len(indices) (MODE == CHECK_ONLY).
     """
     pid_b = tl.program_id(0)
     t = tl.program_id(1)
     num_rows = tl.load(feature_rows_ptr + t)
     g = tl.arange(0, GATHER)
     nbad = tl.full([], 0, tl.int32)
-    first_bad = tl.full([], 2**62, tl.int64)
+    first_bad = tl.full([], 0, tl.int64) + N
     for bb in tl.static_range(BAGS):
         b = pid_b * BAGS + bb
         if b < B:
@@ -65,12 +66,12 @@ def _check_indices_kernel(
                 idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
                 if MODE == CHECK_ONLY:
                     bad = lmask & ((idx < 0) | (idx >= num_rows))
-                    first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, j + g, 2**62), axis=0))
+                    first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, j + g, N), axis=0))
                 else:
                     idx, n = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
                     nbad += n
     if MODE == CHECK_ONLY:
-        if first_bad < 2**62:
+        if first_bad < N:
             tl.atomic_min(first_bad_ptr, first_bad)
     if MODE == REPAIR_COUNT:
         if nbad > 0:

@@ -99,7 +99,8 @@ def _pooled_forward_kernel(
                 n = end - start
                 acc = tl.where(n > 0, acc / tl.maximum(n, 1).to(acc_ty), 0.0)
             out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
-            tl.store(out_ptr + out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+            # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
+            tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=cmask)
     if BOUNDS_MODE == REPAIR_COUNT:
         if repaired > 0:
             tl.atomic_add(warning_ptr, repaired.to(tl.int64))

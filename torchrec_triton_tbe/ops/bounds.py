@@ -77,6 +77,7 @@ def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning
         warning,
         first_bad,
         B,
+        indices.numel(),
         MODE=mode,
         GATHER=cfg.gather.default,
         BAGS=bags,

@@ -1,0 +1,115 @@
+"""Bad input. FATAL: a clear ValueError/TypeError naming the feature, table and position, and the
+weights and optimizer state untouched. WARNING / IGNORE: FBGEMM's repair, checked against FBGEMM's own
+bounds_check_indices on the CPU, fused into the forward kernel or not."""
+
+import pytest
+import torch
+
+from tbe_cases import BoundsCheckMode, EmbOptimType, assert_close, make_pair
+
+SPECS = [(10, 4), (6, 8)]
+FTM = [0, 1, 1]
+
+
+def fatal_module():
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.FATAL,
+                        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    return ours
+
+
+def snapshot(m):
+    return [w.clone() for w in m.split_embedding_weights()] + [m.momentum1.clone(), m.iter.clone()]
+
+
+GOOD_IDX = [1, 9, 0, 5, 2, 3, 0, 5]
+GOOD_OFF = [0, 2, 3, 4, 6, 6, 8]  # T=3 features, B=2
+
+
+@pytest.mark.parametrize(
+    "indices,offsets,match",
+    [
+        ([1, 10, 0, 5, 2, 3, 0, 5], GOOD_OFF, r"indices\[1\] = 10 is out of range for feature 0 \(table 0, 10 rows\), sample 0"),
+        ([1, 9, 0, 5, 2, 3, 0, -1], GOOD_OFF, r"indices\[7\] = -1 is out of range for feature 2 \(table 1, 6 rows\), sample 1"),
+        ([1, 9, 0, 6, 2, 3, 0, 5], GOOD_OFF, r"indices\[3\] = 6 is out of range for feature 1 \(table 1"),
+        (GOOD_IDX, [0, 2, 3, 4, 2, 6, 8], r"bag 3 \(feature 1, table 1, sample 1\).*non-decreasing"),
+        (GOOD_IDX, [0, 2, 3, 4, 6, 6, 7], r"offsets\[-1\] = 7 but indices has 8 elements"),
+        (GOOD_IDX, [-1, 2, 3, 4, 6, 6, 8], r"bag 0 \(feature 0, table 0, sample 0\)"),
+    ],
+)
+def test_fatal_rejects_bad_input_and_changes_nothing(indices, offsets, match):
+    m = fatal_module()
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        m(torch.tensor(indices), torch.tensor(offsets))
+    for a, b in zip(before, snapshot(m)):
+        assert torch.equal(a, b)
+    out = m(torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF))  # still usable afterwards
+    out.sum().backward()
+
+
+def test_fatal_names_tables_by_name_when_given():
+    m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.FATAL,
+                     table_names=["users", "items"])
+    with pytest.raises(ValueError, match=r"table 1 \('items'\), 6 rows"):
+        m(torch.tensor([1, 9, 0, 7, 2, 3, 0, 5]), torch.tensor(GOOD_OFF))
+
+
+@pytest.mark.parametrize(
+    "indices,offsets,per_sample_weights,error,match",
+    [
+        (torch.tensor([1.0, 2.0]), torch.tensor([0, 1, 1, 2]), None, TypeError, "indices must be int32 or int64"),
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 1, 2], dtype=torch.int16), None, TypeError, "offsets must be int32"),
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 2]), None, ValueError, r"T\*B\+1 with T=3 features"),
+        (torch.tensor([[1, 2]]), torch.tensor([0, 1, 1, 2]), None, ValueError, "indices must be 1-D"),
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 1, 2]), torch.tensor([1, 2]), TypeError, "per_sample_weights must be"),
+        (torch.tensor([1, 2]), torch.tensor([0, 1, 1, 2]), torch.ones(3), ValueError, "one weight per lookup"),
+    ],
+)
+def test_wrong_types_and_shapes_raise_in_every_mode(indices, offsets, per_sample_weights, error, match):
+    for mode in (BoundsCheckMode.FATAL, BoundsCheckMode.NONE):
+        m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=mode)
+        before = snapshot(m)
+        with pytest.raises(error, match=match):
+            m(indices, offsets, per_sample_weights)
+        for a, b in zip(before, snapshot(m)):
+            assert torch.equal(a, b)
+
+
+BAD_CASES = [
+    ([1, 12, -3, 4, 9, 7, 2, 5], [0, 2, 3, 4, 6, 6, 8]),  # bad ids in several tables
+    ([1, 2, 3, 4, 1, 2, 3, 0], [0, 3, 2, 5, 9, 9, 12]),  # decreasing offsets, offsets past the end
+    ([1, 2, 3, 4, 1, 2, 3, 0], [-2, 3, 4, 5, 6, 7, 7]),  # negative start, last offset short
+    ([0, 11, 2, 3, 7, 1, 2, 30], [0, 1, 3, 3, 5, 8, 6]),  # both at once
+]
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+def test_warning_and_ignore_repair_like_fbgemm(mode, fused, case):
+    indices, offsets = (torch.tensor(x) for x in BAD_CASES[case])
+    # FBGEMM's own CPU repair of the same input is the oracle.
+    fb_idx, fb_off = indices.clone(), offsets.clone()
+    rows_per_feature = torch.tensor([SPECS[k][0] for k in FTM], dtype=torch.int64)
+    fb_warning = torch.zeros(1, dtype=torch.int64)
+    torch.ops.fbgemm.bounds_check_indices(rows_per_feature, fb_idx, fb_off, int(mode), fb_warning)
+
+    m, ref = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=mode, fused_bounds_check=fused)
+    our_idx, our_off = indices.clone(), offsets.clone()
+    out = m(our_idx, our_off)
+    assert torch.equal(our_off, fb_off), (our_off, fb_off)
+    assert torch.equal(our_idx, fb_idx), (our_idx, fb_idx)
+    expected = ref.output(ref.forward(fb_idx, fb_off)).detach()
+    assert_close(out, expected, "forward on repaired input", atol=1e-6, rtol=1e-6)
+    if mode == BoundsCheckMode.WARNING:
+        assert int(m.bounds_check_warning) > 0 and int(fb_warning) > 0
+    else:
+        assert int(m.bounds_check_warning) == 0
+    out.sum().backward()  # the backward sees the repaired ids
+
+
+def test_none_mode_does_not_touch_valid_input():
+    m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.NONE)
+    idx, off = torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF)
+    m(idx, off)
+    assert idx.tolist() == GOOD_IDX and off.tolist() == GOOD_OFF
