@@ -68,16 +68,22 @@ def recording() -> Iterator[dict]:
         params = [p for p in self.params]
         bound = dict(zip([p.name for p in params], args))
         bound.update(kwargs)
-        signature, constexprs = {}, {}
-        for p in params:
+        # Mirror the JIT's specialization: ints equal to 1 become constants, 16-aligned pointers and
+        # ints divisible by 16 carry tt.divisibility (the compiler vectorises on it).
+        signature, constexprs, divisible = {}, {}, []
+        for i, p in enumerate(params):
             value = bound[p.name]
-            if p.is_constexpr:
+            if p.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
                 signature[p.name] = "constexpr"
-                constexprs[p.name] = value
+                constexprs[p.name] = getattr(value, "value", value)
             else:
                 signature[p.name] = _arg_type(value)
-        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), num_warps)
-        seen.setdefault(key, (self, signature, constexprs, num_warps))
+                if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
+                    divisible.append(i)
+                elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+                    divisible.append(i)
+        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(divisible), num_warps)
+        seen.setdefault(key, (self, signature, constexprs, tuple(divisible), num_warps))
 
     JITFunction.run = record
     previous = _env.RECORD_LAUNCHES
@@ -95,8 +101,9 @@ def _layouts() -> list[list[tuple[int, int]]]:
     return [[(7, d) for d in pow2], [(7, d) for d in odd]]
 
 
-def drive_module(exhaustive: bool = False) -> dict:
-    """Run forward + backward of the module under every option combination, recording launches."""
+def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
+    """Run forward + backward of the module under every option combination, recording launches.
+    ``kernel_config`` (a target name such as "sm90") sets the knobs the launches use."""
     from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
     from torchrec_triton_tbe.module import TritonTBE
 
@@ -135,6 +142,7 @@ def drive_module(exhaustive: bool = False) -> dict:
                         fused_bounds_check=fused,
                         hoist_transpose=hoist,
                         embedding_table_index_type=idx_t,
+                        kernel_config=kernel_config,
                     )
                     psw = None if psw_t is None else torch.ones(indices.numel(), dtype=psw_t, requires_grad=True)
                     try:
@@ -149,7 +157,7 @@ def covering_set(seen: dict) -> list:
     """Specializations such that every (kernel, axis, value) recorded appears at least once."""
     chosen, covered = [], set()
     for key, spec in sorted(seen.items(), key=lambda kv: repr(kv[0])):
-        name, sig, consts, warps = key
+        name, sig, consts, _divisible, warps = key
         items = {(name, "sig", a, t) for a, t in sig} | {(name, "const", a, repr(v)) for a, v in consts}
         items.add((name, "num_warps", warps))
         if not items <= covered:
@@ -164,10 +172,11 @@ def compile_all(specs: list, targets: list[int]) -> list[dict]:
     from triton.compiler import ASTSource
 
     results = []
-    for fn, signature, constexprs, num_warps in specs:
+    for fn, signature, constexprs, divisible, num_warps in specs:
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         for cc in targets:
             t0 = time.time()
-            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
             compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
             ptx = compiled.asm["ptx"]
             results.append(
@@ -190,16 +199,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="90,100", help="compute capabilities, comma separated")
     ap.add_argument("--full", action="store_true", help="compile every recorded specialization")
     ap.add_argument("--json", help="write the per-kernel report here")
+    ap.add_argument("--dump-specs", help="write the chosen specializations (JSON) instead of compiling, for "
+                    "tools/compile_specs.py under another Triton version")
     args = ap.parse_args(argv)
     if _env.interpreting():
         print("aot: run with TRITON_INTERPRET=0 (kernels must be compiled, not interpreted)", file=sys.stderr)
         return 2
+    if args.dump_specs:
+        dumped = []
+        for cc in [int(x) for x in args.targets.split(",")]:
+            for fn, sig, consts, divisible, warps in covering_set(drive_module(kernel_config=f"sm{cc}")):
+                dumped.append({"target": cc, "module": fn.fn.__module__, "kernel": fn.fn.__name__, "signature": sig,
+                               "constexprs": consts, "divisible": list(divisible), "num_warps": warps})
+        with open(args.dump_specs, "w") as fh:
+            json.dump(dumped, fh)
+        print(f"aot: wrote {len(dumped)} specializations to {args.dump_specs}")
+        return 0
     t0 = time.time()
-    seen = drive_module(exhaustive=args.full)
-    specs = list(seen.values()) if args.full else covering_set(seen)
-    targets = [int(x) for x in args.targets.split(",")]
-    print(f"aot: {len(seen)} distinct specializations recorded; compiling {len(specs)} for {targets}", flush=True)
-    results = compile_all(specs, targets)
+    results = []
+    for cc in [int(x) for x in args.targets.split(",")]:
+        # Each target's launches use that target's tuned knobs (configs/sm<cc>.yaml).
+        seen = drive_module(exhaustive=args.full, kernel_config=f"sm{cc}")
+        specs = list(seen.values()) if args.full else covering_set(seen)
+        print(f"aot: sm_{cc}: {len(seen)} distinct specializations recorded; compiling {len(specs)}", flush=True)
+        results += compile_all(specs, [cc])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -149,6 +149,13 @@ class KernelConfig:
             raise ValueError(f"invalid kernel config {self.source or self.target}: " + "; ".join(problems))
 
 
+def tile_warps(wanted: int, tile_elements: int) -> int:
+    """num_warps for a kernel whose largest tile has ``tile_elements`` elements: at most one warp per
+    256 elements. More warps than that replicate elements across threads, which buys nothing and, with
+    vectorised loads, trips a layout-conversion bug in Triton 3.6 ('mask type matches ptr type')."""
+    return max(1, min(wanted, tile_elements // 256))
+
+
 def config_dir() -> Path:
     """``configs/`` of a source checkout, else the copy installed inside the package."""
     here = Path(__file__).resolve().parent

@@ -32,13 +32,13 @@ def _backward_long_partials_kernel(
     total_D,
     chunk,
     partial_stride,
+    NPROG,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
-    NPROG: tl.constexpr,
 ):
     """
     partials_ptr: [max_chunks, partial_stride] fp32 workspace; chunk c writes row c.
@@ -60,7 +60,7 @@ def _backward_long_partials_kernel(
         partial = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j0 in range(s, e, TILE):
             k = j0 + lanes
-            g, _, _ = gather_rows(
+            g, t_chunk, m_chunk = gather_rows(
                 grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
                 k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
             )
@@ -90,12 +90,12 @@ def _backward_long_apply_kernel(
     B,
     partial_stride,
     eps,
+    NPROG,
     OPTIM: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NPROG: tl.constexpr,
 ):
     """The program that meets a run's first chunk sums all of that run's partials in chunk order and
     applies the optimizer; programs meeting other chunks move on. Runs only after the partials kernel

@@ -44,6 +44,7 @@ def _backward_short_kernel(
     total_D,
     threshold,
     eps,
+    NPROG,
     OPTIM: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     POOLING_MEAN: tl.constexpr,
@@ -52,7 +53,6 @@ def _backward_short_kernel(
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
-    NPROG: tl.constexpr,
 ):
     """
     weights_ptr: flat weights (fp32/fp16/bf16), updated in place. momentum_ptr: [total_rows] fp32.
@@ -94,14 +94,14 @@ def _backward_short_kernel(
         w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
         w = tl.load(w_ptrs, mask=umask, other=0.0).to(tl.float32)
         heads = tl.broadcast_to((k == rs).to(tl.int32)[:, None], (TILE, BLOCK_D))
-        sums, _ = tl.associative_scan((g, heads), 0, segmented_add)
+        sums, seg_heads = tl.associative_scan((g, heads), 0, segmented_add)
         # The run crossing the tile end (if this tile owns it) continues for fewer than `threshold` slots.
         crossing = ends & (re > tile_end)
         rest_end = tl.max(tl.where(crossing, re, tile_end), axis=0)
         rest = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j0 in range(tile_end, rest_end, TILE):
             kk = j0 + lanes
-            gg, _, _ = gather_rows(
+            gg, t_rest, m_rest = gather_rows(
                 grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
                 kk, kk < rest_end, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
             )

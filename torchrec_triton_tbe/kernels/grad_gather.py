@@ -43,7 +43,9 @@ def gather_rows(
         cmask = m[:, None] & (cols[None, :] < BLOCK_D)
     else:
         cmask = m[:, None] & (cols[None, :] < tl.load(feature_dim_ptr + t, mask=m, other=0)[:, None])
-    row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+    # (x // ALIGN) * ALIGN == x here (ALIGN divides every row start), and tells the compiler so: it can
+    # then emit vector loads. (tl.multiple_of on this vector trips a layout bug in Triton 3.6.)
+    row = ((b.to(tl.int64) * total_D + o_col) // ALIGN) * ALIGN
     go = tl.load(grad_out_ptr + row[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
     if WEIGHTED or POOLING_MEAN:
         scale = tl.full(k.shape, 1.0, tl.float32)
@@ -73,7 +75,7 @@ def locate_rows(
     key = tl.load(sorted_keys_ptr + k, mask=m, other=0).to(tl.int64)
     row = key - tl.load(feature_key_offset_ptr + t, mask=m, other=0)
     D = tl.load(feature_dim_ptr + t, mask=m, other=1)
-    w_row = tl.multiple_of(tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D, ALIGN)
+    w_row = ((tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D) // ALIGN) * ALIGN
     state_row = tl.load(feature_row_offset_ptr + t, mask=m, other=0) + row
     return w_row, state_row, D
 

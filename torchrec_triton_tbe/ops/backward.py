@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import triton
 
+from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.backward_long import _backward_long_apply_kernel, _backward_long_partials_kernel
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
@@ -68,7 +69,7 @@ def psw_grad(
             BLOCK_D=bucket.block_d,
             GATHER=cfg.gather.get(bucket.block_d),
             BAGS=cfg.bags_per_program,
-            num_warps=cfg.num_warps.get(bucket.block_d),
+            num_warps=tile_warps(cfg.num_warps.get(bucket.block_d), cfg.gather.get(bucket.block_d) * bucket.block_d),
         )
     return grad
 
@@ -99,12 +100,12 @@ def fused_update(
         if not bucket.features:
             continue
         bd = bucket.block_d
+        tile = bcfg.tile.get(bd)
         common = dict(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
             BLOCK_D=bd,
-            NPROG=nprog,
-            num_warps=bcfg.num_warps.get(bd),
+            num_warps=tile_warps(bcfg.num_warps.get(bd), tile * bd),
         )
         update = dict(OPTIM=int(spec.optimizer), SR_DROP_BITS=spec.sr_drop_bits)
         layout = (
@@ -133,9 +134,10 @@ def fused_update(
             plan.total_D,
             runs.threshold,
             state.eps,
+            nprog,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            TILE=bcfg.tile.get(bd),
+            TILE=tile,
             **update,
             **common,
         )
@@ -156,9 +158,10 @@ def fused_update(
             plan.total_D,
             runs.chunk,
             partial_stride,
+            nprog,
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
-            TILE=bcfg.tile.get(bd),
+            TILE=tile,
             **common,
         )
         _backward_long_apply_kernel[(nprog,)](
@@ -181,6 +184,7 @@ def fused_update(
             B,
             partial_stride,
             state.eps,
+            nprog,
             **update,
             **common,
         )

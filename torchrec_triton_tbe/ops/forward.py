@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import triton
 
+from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
@@ -63,6 +64,6 @@ def pooled_forward(
             BLOCK_D=bucket.block_d,
             GATHER=cfg.gather.get(bucket.block_d),
             BAGS=bags,
-            num_warps=cfg.num_warps.get(bucket.block_d),
+            num_warps=tile_warps(cfg.num_warps.get(bucket.block_d), cfg.gather.get(bucket.block_d) * bucket.block_d),
         )
     return out
