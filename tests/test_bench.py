@@ -1,0 +1,273 @@
+"""The A/B benchmark harness (torchrec_triton_tbe.bench) on CPU: options mirror FBGEMM's benchmark,
+FBGEMM's byte model and log format, the generator statistics, suites, and the CLI end to end on the
+smoke suite under Triton's interpreter (times there are meaningless; the structure is what's tested)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import torchrec_triton_tbe  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
+from torchrec_triton_tbe.bench import cli
+from torchrec_triton_tbe.bench.batches import generate_requests, generator_stats, make_workload, run_lengths
+from torchrec_triton_tbe.bench.case import BenchCase, build_parser, explicit_options, load_suite
+from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes
+from torchrec_triton_tbe.bench.timing import time_steps
+
+logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+
+
+# ------------------------------------------------------------------------------------------ options
+def test_defaults_mirror_fbgemm_benchmark_options():
+    """Every option FBGEMM's `device` command shares with us has the same spelling and default
+    (read from FBGEMM's own click interface), and `device`'s own options match its source."""
+    click = pytest.importorskip("click")
+    from fbgemm_gpu.tbe.bench import TbeBenchClickInterface as Fbgemm
+
+    @click.command()
+    @Fbgemm.common_options
+    @Fbgemm.device_options
+    @Fbgemm.table_options
+    def device(**_):  # pragma: no cover - never invoked
+        pass
+
+    ours = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+    ours_args = build_parser().parse_args([])
+    not_ours = {"cache_precision", "managed", "tables"}  # caching / UVM / trace files: not in TritonTBE
+    checked = 0
+    for param in device.params:
+        if param.name in not_ours:
+            continue
+        if param.name == "row_wise":  # FBGEMM: --row-wise (default) = EXACT_ROWWISE_ADAGRAD
+            assert param.default is True and ours_args.optimizers == ("exact_rowwise_adagrad",)
+            assert "--row-wise" in ours and "--no-row-wise" in ours["--row-wise"].option_strings
+            continue
+        assert param.opts[0] in ours, f"missing FBGEMM option {param.opts[0]}"
+        default = getattr(param.default, "value", param.default)  # SparseType.FP32 -> "fp32"
+        assert getattr(ours_args, param.name) == default, param.name
+        checked += 1
+    assert checked == 16
+    # The `device` command's own options (FBGEMM source): output fp32, indices 64, num-requests -1.
+    assert (ours_args.output_dtype, ours_args.indices_dtype, ours_args.num_requests) == ("fp32", 64, -1)
+    assert BenchCase().requests_count == 100  # -1 means one batch per iteration, as FBGEMM
+
+
+def test_option_handling():
+    parser = build_parser()
+    argv = ["--iters", "7", "--weighted", "--optimizer", "exact_sgd,exact_rowwise_adagrad"]
+    assert explicit_options(parser, argv) == {
+        "iters": 7, "weighted": True, "optimizers": ("exact_sgd", "exact_rowwise_adagrad")}
+    with pytest.raises(SystemExit):
+        cli.main(["--no-row-wise"])  # EXACT_ADAGRAD: not implemented by TritonTBE
+    with pytest.raises(SystemExit):
+        cli.main(["--row-wise", "--optimizer", "exact_sgd"])
+    with pytest.raises(SystemExit):
+        cli.main(["--check"])  # needs --compare fbgemm
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--pooling", "none"])
+    with pytest.raises(ValueError, match="embedding_dim_list"):
+        BenchCase(num_tables=2, embedding_dim_list=(8, 8, 8))
+
+
+def test_mixed_dims_follow_fbgemm():
+    """--mixed: FBGEMM's round_up(np.random.randint(0.5 D, 1.5 D), 4) right after np.random.seed(42)."""
+    from fbgemm_gpu.tbe.utils import round_up
+
+    np.random.seed(42)
+    expected = [round_up(np.random.randint(low=64, high=192), 4) for _ in range(6)]
+    np.random.seed(42)
+    assert BenchCase(num_tables=6, embedding_dim=128, mixed=True).table_dims() == expected
+
+
+# ------------------------------------------------------------------------------------------ byte model, log lines
+def test_byte_model_matches_fbgemm_formula():
+    # FBGEMM's default shape with fp16 weights, fp32 output:
+    #   out   = 4 B/elem * 512 * (32 * 128)          =  8,388,608
+    #   param = 2 B/elem * 512 * (32 * 128) * 20     = 83,886,080
+    assert read_write_bytes(512, [128] * 32, 20, "fp16", "fp32") == 92_274_688
+    # Mixed widths [12, 8], B=8, L=4, fp16 weights, fp32 output: 4*8*20 + 2*8*20*4 = 640 + 1280
+    assert read_write_bytes(8, [12, 8], 4, "fp16", "fp32") == 1920
+    # fp32/bf16: 2*3*(4+8) out + 4*3*12*5 params = 72 + 720; pooling none multiplies the output by L.
+    assert read_write_bytes(3, [4, 8], 5, "fp32", "bf16") == 792
+    assert read_write_bytes(2, [4], 3, "fp32", "fp32", pooled=False) == 4 * 2 * 4 * 3 + 4 * 2 * 4 * 3
+    # Forward GB/s = bytes / t; backward GB/s = 2 * bytes / t (FBGEMM's convention).
+    assert gbps(92_274_688, 0.141) == pytest.approx(654.4304, rel=1e-6)
+    assert gbps(92_274_688, 0.746, backward=True) == pytest.approx(247.3852, rel=1e-6)
+
+
+def test_log_lines_in_fbgemm_format():
+    fwd = log_line("", False, 512, 100000, 32, 128, 20, False, 654.4304, 141.0)
+    bwd = log_line("", True, 512, 100000, 32, 128, 20, False, 247.3852, 746.0)
+    # Exactly FBGEMM's f-strings ({: .2f} leaves a sign space; the Backward line has no W:).
+    assert fwd == "Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: False, BW:  654.43 GB/s, T: 141us"
+    assert bwd == "Backward, B: 512, E: 100000, T: 32, D: 128, L: 20, BW:  247.39 GB/s, T: 746us"
+    ours = parse_log_line(log_line("triton exact_sgd", True, 65536, 10**6, 24, 144.0, 20, True, 1234.5, 10850))
+    assert ours == {"prefix": "triton exact_sgd", "pass": "Backward", "B": 65536, "E": 1000000, "T": 24,
+                    "D": 144.0, "L": 20, "W": None, "alpha": None, "BW_GBps": 1234.5, "T_us": 10850}
+    # FBGEMM's newer lines carry "a: {alpha}" and go through logging ("INFO:root:").
+    newer = parse_log_line("INFO:root:Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: True, a: 1.15, "
+                           "BW:  88.50 GB/s, T: 42us")
+    assert newer["alpha"] == 1.15 and newer["W"] is True and newer["T_us"] == 42 and newer["BW_GBps"] == 88.5
+    assert parse_log_line("speedup fwd (fbgemm / triton median): 1.000x") is None
+
+
+# ------------------------------------------------------------------------------------------ batches
+def test_run_lengths_hand_built_batch():
+    # B=2, T=2: table 0 bags [1, 1] and [1, 3, 3]; table 1 bags [1] and [1, 2].
+    offsets = torch.tensor([0, 2, 5, 6, 8])
+    indices = torch.tensor([1, 1, 1, 3, 3, 1, 1, 2])
+    assert run_lengths(indices, offsets, B=2, T=2, E=10).tolist() == [3, 2, 2, 1]
+
+
+def test_generator_reports_zipf_fallback():
+    """FBGEMM's generator silently falls back to uniform ids when a bag can't fill L distinct Zipf ids."""
+    case = BenchCase(batch_size=64, num_tables=2, num_embeddings=1000, embedding_dim=8, bag_size=4, alpha=1.5,
+                     iters=1)
+    w = make_workload(case, torch.device("cpu"))
+    assert w.stats["zipf_fallback_to_uniform"] is True
+    assert w.stats["distribution"] == "uniform (Zipf fallback)"
+    assert w.grad_output.shape == (64, 16) and len(w.requests) == 1
+    r = w.requests[0]
+    assert r.indices.dtype == torch.int64 and r.offsets.dtype == torch.int64 and r.offsets.numel() == 129
+
+
+def test_h200_hot_shape_is_hot_with_fbgemms_generator():
+    """The suite's hot-row shape at full size through FBGEMM's generator (its NumPy Zipf path on CPU):
+    no fallback, and most lookups sit in runs >= 256."""
+    _, shapes = load_suite("h200", {})
+    case = next(s.case for s in shapes if s.case.name == "hot_zipf15_l1")
+    np.random.seed(42)
+    torch.manual_seed(42)
+    request = generate_requests(1, case.batch_size, case.num_tables, case.bag_size, case.num_embeddings,
+                                alpha=case.alpha, use_cpu=True, index_dtype=torch.long, offset_dtype=torch.long)[0]
+    stats = generator_stats(case, request, [])
+    assert stats["lookups"] == case.lookups == 131072 * 32
+    assert stats["lookups_in_runs_ge_256_frac"] > 0.8
+    assert stats["max_run_length"] > 10_000
+
+
+# ------------------------------------------------------------------------------------------ suites, timing
+def test_suites_have_the_required_shapes():
+    header, shapes = load_suite("h200", {})
+    assert header["name"] == "h200"
+    by_name = {s.case.name: s for s in shapes}
+    got = {(c.batch_size, c.num_tables, c.num_embeddings, c.embedding_dim if c.embedding_dim_list is None else "mixed",
+            c.bag_size, c.alpha, c.weighted, c.indices_dtype, c.weights_precision) for c in (s.case for s in shapes)}
+    required = [
+        (512, 32, 10**5, 128, 20, 1.0, False, 64, "fp16"),
+        (65536, 32, 10**6, 128, 20, 1.0, False, 64, "fp16"),
+        (65536, 32, 10**6, 128, 20, 1.15, False, 64, "fp16"),
+        (131072, 16, 10**6, 128, 20, 1.0, False, 64, "fp16"),
+        (65536, 32, 10**6, 32, 20, 1.0, False, 64, "fp16"),
+        (65536, 32, 10**6, 64, 20, 1.15, False, 64, "fp16"),
+        (65536, 24, 10**6, "mixed", 20, 1.15, False, 64, "fp16"),
+        (131072, 8, 10**7, 128, 4, 1.0, False, 64, "fp16"),
+        (65536, 32, 10**6, 128, 20, 1.15, True, 64, "fp16"),
+        (65536, 32, 10**6, 128, 20, 1.15, False, 32, "fp16"),
+        (65536, 16, 10**6, 128, 20, 1.15, False, 64, "fp32"),
+    ]
+    for shape in required:
+        assert shape in got, shape
+    assert sum(1 for s in shapes if s.baseline_ms) == len(required)
+    for s in shapes:
+        c = s.case
+        assert (c.output_dtype, c.pooling, c.bounds_check_mode) == ("fp32", "sum", 3)
+        assert c.optimizers == ("exact_sgd", "exact_rowwise_adagrad") and c.passes == ("fwd", "bwd")
+        if s.baseline_ms:
+            assert set(s.baseline_ms) == {"fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"}
+    mixed = by_name["mixed_d32_256_zipf115"].case
+    assert min(mixed.embedding_dim_list) == 32 and max(mixed.embedding_dim_list) == 256
+    assert by_name["hot_zipf15_l1"].case.alpha == 1.5
+    # Command-line options override every entry.
+    _, shortened = load_suite("h200", {"iters": 7})
+    assert {s.case.iters for s in shortened} == {7}
+    # The smoke suite stays within what the interpreter runs quickly.
+    for s in load_suite("smoke", {})[1]:
+        c = s.case
+        assert c.batch_size <= 8 and c.num_tables <= 2 and c.num_embeddings <= 100 and c.bag_size <= 4
+        assert max(c.table_dims()) <= 16 and c.iters <= 3
+
+
+def test_time_steps_walks_batches_and_excludes_warmup():
+    calls = []
+
+    def step(i):
+        calls.append(("setup", i))
+        return lambda: calls.append(("timed", i))
+
+    t = time_steps(step, iters=3, warmup=2, device=torch.device("cpu"))
+    assert calls == [("setup", 0), ("timed", 0), ("setup", 1), ("timed", 1),
+                     ("setup", 0), ("timed", 0), ("setup", 1), ("timed", 1), ("setup", 2), ("timed", 2)]
+    assert (t.iters, t.warmup, t.meaningful) == (3, 2, False)
+    assert t.p20_ms <= t.median_ms <= t.p80_ms
+
+
+# ------------------------------------------------------------------------------------------ CLI end to end
+def test_cli_smoke_suite_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "smoke.json", tmp_path / "smoke.png"
+    argv = ["--suite", "smoke", "--compare", "fbgemm", "--check", "--json", str(out_json)]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(out_png)]
+    except ImportError:
+        out_png = None
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    record = json.loads(out_json.read_text())
+
+    env = record["environment"]
+    for key in ("date", "command_line", "gpu", "clocks_mhz_at_start", "clocks_mhz_at_end", "versions", "git_commit"):
+        assert key in env
+    assert set(env["versions"]) >= {"torch", "triton", "fbgemm_gpu", "torchrec_triton_tbe"}
+    assert env["command_line"].startswith("torchrec-triton-tbe-bench --suite smoke")
+    assert record["timing_meaningful"] is False and record["copy_bandwidth"] is None  # CPU
+
+    shapes = record["shapes"]
+    assert [s["name"] for s in shapes] == ["uniform_fp16", "hot_zipf15_fp32_mean", "mixed_weighted_int32"]
+    lines = [p for p in map(parse_log_line, stdout.splitlines()) if p]
+    assert len(lines) == 3 * 6  # per shape: fwd and 2 x bwd, each for triton and fbgemm
+    for shape in shapes:
+        assert "error" not in shape, shape.get("error")
+        opts = shape["options"]
+        assert shape["read_write_bytes"] == read_write_bytes(
+            opts["batch_size"], shape["Ds"], opts["bag_size"], opts["weights_precision"], opts["output_dtype"])
+        assert set(shape["results"]) == {"fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"}
+        for key, entry in shape["results"].items():
+            for kernel in ("triton", "fbgemm"):
+                t = entry[kernel]
+                assert t["p20_ms"] <= t["median_ms"] <= t["p80_ms"] and t["meaningful"] is False
+                assert t["gbps"] == pytest.approx(gbps(shape["read_write_bytes"], t["median_ms"], key != "fwd"))
+                logged = [p for p in lines if p["prefix"].startswith(kernel) and p["B"] == opts["batch_size"]
+                          and p["T_us"] == round(t["median_ms"] * 1e3)]
+                assert logged, (shape["name"], key, kernel)
+            assert entry["speedup"] == pytest.approx(entry["fbgemm"]["median_ms"] / entry["triton"]["median_ms"])
+        assert all(c["ok"] for c in shape["check"].values())
+        gen = shape["generator"]
+        assert gen["lookups"] == opts["batch_size"] * opts["num_tables"] * opts["bag_size"]
+        assert {"distribution", "zipf_fallback_to_uniform", "max_run_length", "unique_rows",
+                "lookups_in_runs_ge_256_frac", "lookups_in_runs_lt_4_frac"} <= set(gen)
+    assert shapes[1]["generator"]["distribution"] == "zipf(1.5)"  # L=1: no uniform fallback
+    assert shapes[1]["options"]["pooling"] == "mean" and shapes[2]["options"]["indices_dtype"] == 32
+    assert len(set(shapes[2]["Ds"])) > 1  # --mixed
+    if out_png is not None:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_single_case_forward_only(tmp_path):
+    out = tmp_path / "one.json"
+    argv = ["--batch-size", "4", "--num-tables", "1", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "2", "--iters", "2", "--passes", "fwd", "--optimizer", "exact_sgd", "--json", str(out)]
+    assert cli.main(argv) == 0
+    record = json.loads(out.read_text())
+    (shape,) = record["shapes"]
+    assert record["suite"] is None and shape["name"] == "cli" and list(shape["results"]) == ["fwd"]
+    assert "fbgemm" not in shape["results"]["fwd"] and shape["check"] is None
+    assert shape["options"]["num_requests"] == 2  # -1 -> iters
+    # Merging runs (a suite split over several commands) keeps every shape once.
+    merged = merge([record, {**record, "shapes": [{**shape, "name": "other"}]}])
+    assert [s["name"] for s in merged["shapes"]] == ["cli", "other"]

@@ -1,0 +1,307 @@
+"""One benchmark case (a shape and its options), the command-line parser, and suite files.
+
+Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings_benchmark.py device``
+(``TbeBenchClickInterface.common_options / table_options / device_options`` plus the ``device``
+command's own options), so a command line written for FBGEMM's benchmark means the same here.
+Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
+Adagrad or EXACT_ADAGRAD; TritonTBE has EXACT_SGD and EXACT_ROWWISE_ADAGRAD), pooling ``none`` and the
+weight types FBGEMM quantizes (int8, fp8, ...) are not offered because TritonTBE does not implement them.
+
+Precedence when a suite is used: FBGEMM's defaults < the suite's ``defaults`` < the shape entry <
+options given explicitly on the command line (so ``--suite h200 --iters 20`` shortens every shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import yaml
+
+OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad")
+PASSES = ("fwd", "bwd")
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """Everything that defines one measured shape. Field names are the CLI options' ``dest`` names
+    (``--batch-size`` -> ``batch_size``) and the keys of suite entries."""
+
+    name: str = "cli"
+    batch_size: int = 512
+    num_tables: int = 32
+    num_embeddings: int = 100_000
+    embedding_dim: int = 128
+    bag_size: int = 20
+    alpha: float = 1.0  # <= 1: uniform ids; > 1: Zipf(alpha) (FBGEMM's generator)
+    weighted: bool = False
+    pooling: str = "sum"
+    weights_precision: str = "fp32"
+    output_dtype: str = "fp32"
+    indices_dtype: int = 64
+    bounds_check_mode: int = 3  # FBGEMM's BoundsCheckMode: 3 = NONE
+    mixed: bool = False  # FBGEMM's --mixed: D_t = round_up(randint(0.5 D, 1.5 D), 4), np seed 42
+    embedding_dim_list: Optional[tuple[int, ...]] = None  # explicit per-table D (FBGEMM's device-with-spec)
+    stoc: bool = False
+    reuse: float = 0.0
+    iters: int = 100
+    warmup_runs: int = 0  # FBGEMM's benchmark_requests adds one more
+    num_requests: int = -1  # batches to generate and rotate through; -1: as many as iters
+    flush_gpu_cache_size_mb: int = 0
+    optimizers: tuple[str, ...] = ("exact_rowwise_adagrad",)  # FBGEMM's default: --row-wise
+    passes: tuple[str, ...] = PASSES
+
+    def __post_init__(self) -> None:
+        problems = []
+        for field in ("batch_size", "num_tables", "num_embeddings", "embedding_dim", "iters"):
+            if getattr(self, field) < 1:
+                problems.append(f"{field} must be >= 1")
+        if self.bag_size < 0:
+            problems.append("bag_size must be >= 0")
+        if self.warmup_runs < 0:
+            problems.append("warmup_runs must be >= 0")
+        if self.num_requests == 0 or self.num_requests < -1:
+            problems.append("num_requests must be >= 1 (or -1 for iters)")
+        if self.pooling not in ("sum", "mean"):
+            problems.append(f"pooling {self.pooling!r}: TritonTBE supports sum and mean")
+        for field in ("weights_precision", "output_dtype"):
+            if getattr(self, field) not in PRECISIONS:
+                problems.append(f"{field} {getattr(self, field)!r}: TritonTBE supports {', '.join(PRECISIONS)}")
+        if self.indices_dtype not in (32, 64):
+            problems.append("indices_dtype must be 32 or 64")
+        if not self.optimizers or any(o not in OPTIMIZERS for o in self.optimizers):
+            problems.append(f"optimizers {self.optimizers}: choose from {', '.join(OPTIMIZERS)}")
+        if not self.passes or any(p not in PASSES for p in self.passes):
+            problems.append(f"passes {self.passes}: choose from {', '.join(PASSES)}")
+        if self.embedding_dim_list is not None:
+            if self.mixed:
+                problems.append("mixed and embedding_dim_list exclude each other")
+            if len(self.embedding_dim_list) != self.num_tables:
+                problems.append(
+                    f"embedding_dim_list has {len(self.embedding_dim_list)} entries for {self.num_tables} tables"
+                )
+            if any(d < 1 or d % 4 for d in self.embedding_dim_list):
+                problems.append("embedding_dim_list entries must be positive multiples of 4 (as FBGEMM requires)")
+        if self.alpha > 1.0 and self.num_embeddings < self.bag_size:
+            problems.append("Zipf ids need num_embeddings >= bag_size (FBGEMM's generator asserts it)")
+        if problems:
+            raise ValueError(f"benchmark case {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def requests_count(self) -> int:
+        return self.iters if self.num_requests == -1 else self.num_requests
+
+    @property
+    def lookups(self) -> int:
+        return self.batch_size * self.num_tables * self.bag_size
+
+    def table_dims(self) -> list[int]:
+        """Per-table D. For ``mixed`` this draws from NumPy's global generator exactly as FBGEMM's
+        ``device`` does right after ``np.random.seed(42)``, so call it once, right after seeding."""
+        if self.embedding_dim_list is not None:
+            return list(self.embedding_dim_list)
+        if self.mixed:
+            D = self.embedding_dim
+            return [_round_up(int(np.random.randint(low=int(0.5 * D), high=int(1.5 * D))), 4)
+                    for _ in range(self.num_tables)]
+        return [self.embedding_dim] * self.num_tables
+
+    def label(self) -> str:
+        """Self-describing label, e.g. ``B65536_T32_E1000000_D128_L20_a1.15_fp16``."""
+        d = "mixed" if self.mixed else ("list" if self.embedding_dim_list else str(self.embedding_dim))
+        extra = "".join([
+            "_w" if self.weighted else "",
+            "_i32" if self.indices_dtype == 32 else "",
+            "_mean" if self.pooling == "mean" else "",
+        ])
+        return (f"B{self.batch_size}_T{self.num_tables}_E{self.num_embeddings}_D{d}_L{self.bag_size}"
+                f"_a{self.alpha:g}_{self.weights_precision}{extra}")
+
+    def options(self) -> dict[str, Any]:
+        """JSON-friendly options, with num_requests resolved."""
+        out = dataclasses.asdict(self)
+        out["num_requests"] = self.requests_count
+        for key in ("optimizers", "passes", "embedding_dim_list"):
+            if out[key] is not None:
+                out[key] = list(out[key])
+        return out
+
+
+CASE_FIELDS = tuple(f.name for f in dataclasses.fields(BenchCase) if f.name != "name")
+
+
+def _round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def _comma_list(kind, choices: Optional[Sequence[str]] = None):
+    def parse(text: str):
+        items = tuple(kind(x.strip()) for x in str(text).split(",") if x.strip())
+        if choices is not None:
+            bad = [x for x in items if x not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"{bad}: choose from {', '.join(choices)}")
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    default = BenchCase()
+    p = argparse.ArgumentParser(
+        prog="torchrec-triton-tbe-bench",
+        description="A/B benchmark of TritonTBE vs FBGEMM's TBE, in the format of FBGEMM's "
+        "split_table_batched_embeddings_benchmark.py device (same options and defaults).",
+    )
+    g = p.add_argument_group("FBGEMM `device` options (same names and defaults)")
+    g.add_argument("--alpha", type=float, default=default.alpha,
+                   help="<= 1.0: uniform ids; > 1.0: Zipf (FBGEMM suggests 1.15 training, 1.09 inference)")
+    g.add_argument("--batch-size", type=int, default=default.batch_size)
+    g.add_argument("--weights-precision", choices=PRECISIONS, default=default.weights_precision)
+    g.add_argument("--stoc", action="store_true", default=default.stoc, help="stochastic rounding")
+    g.add_argument("--iters", type=int, default=default.iters)
+    g.add_argument("--warmup-runs", type=int, default=default.warmup_runs,
+                   help="warm-up runs before timing (plus one, as FBGEMM's benchmark_requests)")
+    g.add_argument("--reuse", type=float, default=default.reuse, help="inter-batch index reuse rate")
+    g.add_argument("--flush-gpu-cache-size-mb", type=int, default=default.flush_gpu_cache_size_mb)
+    g.add_argument("--bag-size", type=int, default=default.bag_size)
+    g.add_argument("--embedding-dim", type=int, default=default.embedding_dim)
+    g.add_argument("--mixed", action="store_true", default=default.mixed,
+                   help="per-table D = round_up(randint(0.5D, 1.5D), 4), NumPy seed 42")
+    g.add_argument("--num-embeddings", type=int, default=default.num_embeddings)
+    g.add_argument("--num-tables", type=int, default=default.num_tables)
+    g.add_argument("--row-wise", action=argparse.BooleanOptionalAction, default=None,
+                   help="FBGEMM compatibility: --row-wise = --optimizer exact_rowwise_adagrad (the default); "
+                   "--no-row-wise (EXACT_ADAGRAD) is not implemented by TritonTBE")
+    g.add_argument("--weighted", action="store_true", default=default.weighted)
+    g.add_argument("--pooling", choices=("sum", "mean"), default=default.pooling)
+    g.add_argument("--bounds-check-mode", type=int, default=default.bounds_check_mode,
+                   help="FBGEMM's BoundsCheckMode: 0 FATAL, 1 WARNING, 2 IGNORE, 3 NONE (default)")
+    g.add_argument("--output-dtype", choices=PRECISIONS, default=default.output_dtype)
+    g.add_argument("--indices-dtype", type=int, choices=(32, 64), default=default.indices_dtype,
+                   help="32 casts indices and offsets inside the timed call, as FBGEMM's benchmark does")
+    g.add_argument("--num-requests", type=int, default=default.num_requests,
+                   help="batches to generate and rotate through (-1: iters)")
+
+    x = p.add_argument_group("A/B options")
+    x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
+                   help="comma-separated: exact_sgd, exact_rowwise_adagrad (default, FBGEMM's --row-wise)")
+    x.add_argument("--embedding-dim-list", type=_comma_list(int), default=None,
+                   help="explicit per-table D, comma-separated (as FBGEMM's device-with-spec)")
+    x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
+                   help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
+    x.add_argument("--compare", choices=("fbgemm",), default=None,
+                   help="also run FBGEMM's TBE on the same batches with the same initial weights")
+    x.add_argument("--check", action="store_true",
+                   help="compare outputs (and weights after one backward) of both kernels on the first batch")
+    x.add_argument("--suite", default=None, help="shape suite: a name in configs/suites/ or a YAML path")
+    x.add_argument("--only", type=_comma_list(str), default=None, help="run only these suite shapes (names)")
+    x.add_argument("--json", default=None, help="write results here (rewritten after every shape)")
+    x.add_argument("--plot", default=None, help="PNG: GB/s per shape for both kernels, and the speed-up")
+    x.add_argument("--kernel-config", default=None, help="TritonTBE kernel_config: a name (sm90) or YAML path")
+    x.add_argument("--fused-bounds-check", action="store_true", help="TritonTBE fused_bounds_check=True")
+    x.add_argument("--hoist-transpose", action="store_true", help="TritonTBE hoist_transpose=True")
+    x.add_argument("--verbose", action="store_true", help="keep FBGEMM's INFO logging")
+    return p
+
+
+def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
+    """The options the command line actually sets (to let them override suite entries)."""
+    quiet = argparse.ArgumentParser(add_help=False)
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            kwargs = dict(dest=action.dest, default=argparse.SUPPRESS)
+            if isinstance(action, argparse._StoreTrueAction):
+                quiet.add_argument(*action.option_strings, action="store_true", **kwargs)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                quiet.add_argument(*action.option_strings, action=argparse.BooleanOptionalAction, **kwargs)
+            else:
+                quiet.add_argument(*action.option_strings, type=action.type, **kwargs)
+    given, _ = quiet.parse_known_args(list(argv))
+    return vars(given)
+
+
+def case_from_mapping(values: Mapping[str, Any], name: str) -> BenchCase:
+    """A BenchCase from option values (CLI namespace, suite entry); unknown keys are an error."""
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        field = key.replace("-", "_")
+        if field not in CASE_FIELDS:
+            raise ValueError(f"{name}: unknown option {key!r}; known: {', '.join(CASE_FIELDS)}")
+        if field in ("optimizers", "passes"):
+            value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
+        elif field == "embedding_dim_list" and value is not None:
+            value = tuple(int(d) for d in (value.split(",") if isinstance(value, str) else value))
+        elif field in ("num_embeddings", "batch_size", "num_tables", "embedding_dim", "bag_size") and \
+                isinstance(value, float):
+            if not value.is_integer():  # YAML reads 1e6 as a float
+                raise ValueError(f"{name}: {key} must be an integer, got {value}")
+            value = int(value)
+        kwargs[field] = value
+    return BenchCase(name=name, **kwargs)
+
+
+def resolve_optimizers(args: argparse.Namespace, given: Mapping[str, Any]) -> Optional[tuple[str, ...]]:
+    """FBGEMM's --row-wise/--no-row-wise mapped onto --optimizer; None when neither says anything."""
+    row_wise = given.get("row_wise")
+    if row_wise is False:
+        raise SystemExit("--no-row-wise selects FBGEMM's EXACT_ADAGRAD, which TritonTBE does not implement; "
+                         "use --optimizer exact_sgd or exact_rowwise_adagrad")
+    if row_wise and "optimizers" in given and tuple(given["optimizers"]) != ("exact_rowwise_adagrad",):
+        raise SystemExit("--row-wise means --optimizer exact_rowwise_adagrad; give one or the other")
+    if row_wise:
+        return ("exact_rowwise_adagrad",)
+    return tuple(given["optimizers"]) if "optimizers" in given else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteShape:
+    case: BenchCase
+    baseline_ms: Optional[dict[str, float]]  # FBGEMM CUDA reference from the suite file, for the record
+    note: str = ""
+
+
+def suite_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    from torchrec_triton_tbe.config import config_dir
+
+    path = config_dir() / "suites" / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no suite named {name_or_path!r} (looked for {path})")
+    return path
+
+
+def load_suite(name_or_path: str, overrides: Mapping[str, Any]) -> tuple[dict[str, Any], list[SuiteShape]]:
+    """(suite header, shapes). ``overrides`` are the explicit command-line options (win over the file)."""
+    path = suite_path(name_or_path)
+    with open(path) as fh:
+        doc = yaml.safe_load(fh)
+    unknown = set(doc) - {"name", "description", "defaults", "optimizers", "passes", "shapes"}
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}")
+    base = dict(doc.get("defaults") or {})
+    for key in ("optimizers", "passes"):
+        if key in doc:
+            base[key] = doc[key]
+    shapes = []
+    names = set()
+    for entry in doc.get("shapes") or []:
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        if not name or name in names:
+            raise ValueError(f"{path}: every shape needs a unique name (got {name!r})")
+        names.add(name)
+        baseline = entry.pop("baseline_ms", None)
+        note = entry.pop("note", "")
+        values = {**base, **entry, **overrides}
+        shapes.append(SuiteShape(case_from_mapping(values, name), baseline, note))
+    header = {"name": doc.get("name", path.stem), "path": str(path), "description": doc.get("description", "")}
+    return header, shapes

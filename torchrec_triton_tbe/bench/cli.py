@@ -1,0 +1,178 @@
+"""``torchrec-triton-tbe-bench``: TritonTBE vs FBGEMM's TBE, in FBGEMM's benchmark format.
+
+    # FBGEMM's default shape, ours only (options and defaults as FBGEMM's `device` command)
+    torchrec-triton-tbe-bench --weights-precision fp16
+    # the H200 suite, A/B against FBGEMM in the same process, checked, with JSON and plot
+    torchrec-triton-tbe-bench --suite h200 --compare fbgemm --check --json h200.json --plot h200.png
+
+The JSON records the GPU, clocks, versions, git commit (on a copy of the tree without .git, set
+TORCHREC_TRITON_TBE_GIT_COMMIT) and a sha256 of the package sources. A suite too long for one
+command can run in parts (``--only a,b``) and be merged: ``python -m torchrec_triton_tbe.bench.report``.
+
+Per case it prints FBGEMM's lines (``Forward, B: ..., BW: X GB/s, T: Yus``; ``Backward, ...``), one per
+kernel, prefixed by the kernel (and optimizer), then the speed-up (FBGEMM median / ours). Exit status
+1 when a case failed or ``--check`` found a mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from typing import Any, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from torchrec_triton_tbe import _env
+from torchrec_triton_tbe.bench.batches import make_workload
+from torchrec_triton_tbe.bench.case import (
+    CASE_FIELDS,
+    SuiteShape,
+    build_parser,
+    case_from_mapping,
+    explicit_options,
+    load_suite,
+    resolve_optimizers,
+)
+from torchrec_triton_tbe.bench.report import environment, nvidia_smi_clocks, write_json, write_plot
+from torchrec_triton_tbe.bench.runner import RunOptions, run_case
+from torchrec_triton_tbe.bench.timing import TIMED_BY_EVENTS, TIMED_BY_WALL_CLOCK, measure_copy_bandwidth
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and not _env.interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _shapes(args, given: dict[str, Any]) -> tuple[Optional[dict], list[SuiteShape]]:
+    optimizers = resolve_optimizers(args, given)
+    overrides = {k: v for k, v in given.items() if k in CASE_FIELDS}
+    if optimizers is not None:
+        overrides["optimizers"] = optimizers
+    if args.suite:
+        header, shapes = load_suite(args.suite, overrides)
+        if args.only:
+            known = {s.case.name for s in shapes}
+            unknown = [n for n in args.only if n not in known]
+            if unknown:
+                raise SystemExit(f"--only: no shapes named {unknown} in {header['path']}; known: {sorted(known)}")
+            shapes = [s for s in shapes if s.case.name in args.only]
+        return header, shapes
+    values = {k: getattr(args, k) for k in CASE_FIELDS}
+    values.update(overrides)
+    return None, [SuiteShape(case_from_mapping(values, "cli"), None)]
+
+
+def _summary(record: dict[str, Any]) -> list[str]:
+    lines = [f"{'shape':<28} {'pass':<28} {'triton ms':>10} {'fbgemm ms':>10} {'speed-up':>9} {'baseline':>9}"]
+    for shape in record["shapes"]:
+        if "error" in shape:
+            lines.append(f"{shape['name']:<28} ERROR {shape['error'].splitlines()[-1][:80]}")
+            continue
+        for key, entry in shape["results"].items():
+            fb = entry.get("fbgemm", {}).get("median_ms")
+            sp = entry.get("speedup")
+            base = entry.get("baseline_ms")
+            lines.append(
+                f"{shape['name']:<28} {key:<28} {entry['triton']['median_ms']:>10.3f} "
+                f"{'' if fb is None else f'{fb:.3f}':>10} {'' if sp is None else f'{sp:.3f}x':>9} "
+                f"{'' if base is None else f'{base:.3f}':>9}"
+            )
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = explicit_options(parser, argv)
+    if args.check and not args.compare:
+        parser.error("--check compares against FBGEMM: add --compare fbgemm")
+    if not args.verbose:
+        # fbgemm_gpu's request module calls logging.basicConfig(DEBUG) on import, and its TBE logs its
+        # configuration at INFO; keep warnings (the generator's uniform fallback is one).
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        header, shapes = _shapes(args, given)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+
+    device = _device()
+    opts = RunOptions(
+        device=device,
+        compare=args.compare == "fbgemm",
+        check=args.check,
+        kernel_config=args.kernel_config,
+        fused_bounds_check=args.fused_bounds_check,
+        hoist_transpose=args.hoist_transpose,
+    )
+    cuda = device.type == "cuda"
+    record: dict[str, Any] = {
+        "environment": environment(device, argv),
+        "suite": header,
+        "compare": args.compare,
+        "timing_method": TIMED_BY_EVENTS if cuda else TIMED_BY_WALL_CLOCK,
+        "timing_meaningful": cuda,
+        "byte_model": "FBGEMM: out_bytes*B*sum(Ds) + param_bytes*B*sum(Ds)*L; backward GB/s uses 2x",
+        "speedup_definition": "fbgemm median ms / triton median ms (> 1: TritonTBE faster)",
+        "copy_bandwidth": measure_copy_bandwidth(device=device) if cuda else None,
+        "shapes": [],
+    }
+    if not cuda:
+        print("NOTE: no CUDA device; kernels run under Triton's interpreter and times measure the interpreter.")
+    if record["copy_bandwidth"]:
+        print(f"Device-to-device copy: {record['copy_bandwidth']['gbps']:.0f} GB/s (read + write)")
+    # On a terminal, lines go through tqdm.write so the bar stays at the bottom. Into a file or pipe,
+    # they are plain prints: tqdm.write would redraw the bar (a line of output) after every line.
+    emit = tqdm.write if sys.stderr.isatty() else (lambda line: print(line, flush=True))
+    failed = False
+    with logging_redirect_tqdm():
+        bar = tqdm(shapes, desc="shapes", unit="shape", disable=header is None, file=sys.stderr)
+        for shape in bar:
+            bar.set_postfix_str(shape.case.name, refresh=False)
+            workload = None
+            try:
+                workload = make_workload(shape.case, device)
+                result = run_case(workload, opts, emit, shape.baseline_ms)
+                if shape.note:
+                    result["note"] = shape.note
+                workload = None  # free the batches before the next shape's
+                checks = result["check"] or {}
+                failed |= not all(c["ok"] for c in checks.values())
+            except Exception:  # one broken shape must not lose a long suite's other results
+                failed = True
+                tb = traceback.format_exc()
+                emit(f"[{shape.case.name}] FAILED:\n{tb}")
+                result = {"name": shape.case.name, "options": shape.case.options(), "error": tb,
+                          "generator": None if workload is None else workload.stats}
+                workload = None
+                if cuda:
+                    torch.cuda.empty_cache()
+            record["shapes"].append(result)
+            if args.json:
+                write_json(args.json, record)
+    record["environment"]["clocks_mhz_at_end"] = nvidia_smi_clocks(device)
+    for line in _summary(record):
+        print(line)
+    if args.json:
+        write_json(args.json, record)
+        print(f"wrote {args.json}")
+    if args.plot:
+        if not any(s.get("results") for s in record["shapes"]):
+            print("no results to plot")
+        else:
+            try:
+                write_plot(args.plot, record)
+                print(f"wrote {args.plot}")
+            except ImportError:
+                print("matplotlib is not installed: no plot (the JSON has everything; re-plot later with "
+                      "python -m torchrec_triton_tbe.bench.report --plot PNG JSON...)")
+                failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
