@@ -114,11 +114,11 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
     with recording() as seen:
         for layout in _layouts():
             T = len(layout)
-            B = 2
-            lengths = torch.tensor([1, 2] * T)
+            B = 16  # a multiple of 16, as real batches are: the JIT then specializes B as divisible
+            lengths = torch.tensor([1, 2] * (T * B // 2))
             offsets = torch.zeros(T * B + 1, dtype=torch.int64)
             offsets[1:] = lengths.cumsum(0)
-            indices = torch.tensor([0, 1, 2] * T, dtype=torch.int64)
+            indices = torch.tensor([0, 1, 2] * (T * B // 2), dtype=torch.int64)
             outer = list(
                 itertools.product(dtypes, dtypes, optims, [PoolingMode.SUM, PoolingMode.MEAN], [False, True])
             )
