@@ -93,7 +93,7 @@ def _backward_short_kernel(
         umask = ends[:, None] & cmask
         w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
         w = tl.load(w_ptrs, mask=umask, other=0.0).to(tl.float32)
-        heads = tl.broadcast_to((k == rs).to(tl.int32)[:, None], (TILE, BLOCK_D))
+        heads = tl.broadcast_to((k == rs).to(tl.float32)[:, None], (TILE, BLOCK_D))
         sums, seg_heads = tl.associative_scan((g, heads), 0, segmented_add)
         # The run crossing the tile end (if this tile owns it) continues for fewer than `threshold` slots.
         crossing = ends & (re > tile_end)

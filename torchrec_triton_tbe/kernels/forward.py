@@ -59,7 +59,9 @@ def _pooled_forward_kernel(
     """
     pid_b = tl.program_id(0)
     t = tl.load(bucket_features_ptr + tl.program_id(1))
-    D = tl.load(feature_dim_ptr + t)
+    # ALIGN divides D: saying so makes the column mask constant over ALIGN-wide groups, so masked
+    # rows still load as 16-byte vectors (without it every element is a scalar load).
+    D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN
     w_base = tl.load(feature_weight_offset_ptr + t)
     o_col = tl.load(feature_out_offset_ptr + t)
     num_rows = tl.load(feature_rows_ptr + t)

@@ -42,7 +42,9 @@ def gather_rows(
     if EVEN_D:
         cmask = m[:, None] & (cols[None, :] < BLOCK_D)
     else:
-        cmask = m[:, None] & (cols[None, :] < tl.load(feature_dim_ptr + t, mask=m, other=0)[:, None])
+        # ALIGN divides D: a mask constant over ALIGN-wide groups keeps the loads vectorised.
+        D = (tl.load(feature_dim_ptr + t, mask=m, other=0) // ALIGN) * ALIGN
+        cmask = m[:, None] & (cols[None, :] < D[:, None])
     # (x // ALIGN) * ALIGN == x here (ALIGN divides every row start), and tells the compiler so: it can
     # then emit vector loads. (tl.multiple_of on this vector trips a layout bug in Triton 3.6.)
     row = ((b.to(tl.int64) * total_D + o_col) // ALIGN) * ALIGN
@@ -74,7 +76,7 @@ def locate_rows(
     """For slots k of features t: (row start in the flat weights, per-row optimizer state index, D)."""
     key = tl.load(sorted_keys_ptr + k, mask=m, other=0).to(tl.int64)
     row = key - tl.load(feature_key_offset_ptr + t, mask=m, other=0)
-    D = tl.load(feature_dim_ptr + t, mask=m, other=1)
+    D = (tl.load(feature_dim_ptr + t, mask=m, other=ALIGN) // ALIGN) * ALIGN
     w_row = ((tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D) // ALIGN) * ALIGN
     state_row = tl.load(feature_row_offset_ptr + t, mask=m, other=0) + row
     return w_row, state_row, D
@@ -83,4 +85,4 @@ def locate_rows(
 @triton.jit
 def segmented_add(a_val, a_head, b_val, b_head):
     """Combine of a segmented inclusive sum: a new segment (b_head) restarts the sum."""
-    return tl.where(b_head != 0, b_val, a_val + b_val), a_head | b_head
+    return tl.where(b_head != 0, b_val, a_val + b_val), tl.maximum(a_head, b_head)

@@ -25,6 +25,7 @@ def _psw_grad_kernel(
     POOLING_MEAN: tl.constexpr,
     HAS_FEATURE_MASK: tl.constexpr,
     EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr,
     BAGS: tl.constexpr,
@@ -33,7 +34,7 @@ def _psw_grad_kernel(
     features with 0 get a zero gradient (FBGEMM's feature_requires_grad)."""
     pid_b = tl.program_id(0)
     t = tl.load(bucket_features_ptr + tl.program_id(1))
-    D = tl.load(feature_dim_ptr + t)
+    D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN  # ALIGN divides D: vector loads (forward.py)
     w_base = tl.load(feature_weight_offset_ptr + t)
     o_col = tl.load(feature_out_offset_ptr + t)
     enabled = 1

@@ -66,6 +66,7 @@ def psw_grad(
             POOLING_MEAN=spec.pooling_mean,
             HAS_FEATURE_MASK=feature_requires_grad is not None,
             EVEN_D=spec.bucket_even_d[k],
+            ALIGN=spec.bucket_align[k],
             BLOCK_D=bucket.block_d,
             GATHER=cfg.gather.get(bucket.block_d),
             BAGS=cfg.bags_per_program,
