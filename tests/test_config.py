@@ -1,0 +1,72 @@
+"""configs/*.yaml: every shipped config loads and validates; bad knobs are rejected with the knob
+named; selection by name, path, environment variable; knob tables fall back to their default."""
+
+import pytest
+import torch
+import yaml
+
+from torchrec_triton_tbe.config import KnobTable, KernelConfig, config_dir, load_config, load_named, tile_warps
+
+
+@pytest.mark.parametrize("name", ["interpreter", "sm90", "sm100"])
+def test_shipped_configs_load(name):
+    cfg = load_named(name)
+    assert cfg.target == name
+    assert cfg.backward.short_threshold >= 1 and cfg.backward.long_chunk >= 1
+
+
+def test_sm100_is_marked_untuned():
+    assert load_named("sm100").tuned is False
+    assert "UNTUNED" in (config_dir() / "sm100.yaml").read_text()
+
+
+def test_knob_table_lookup():
+    t = KnobTable.parse({"default": 4, 128: 2}, "x")
+    assert t.get(128) == 2 and t.get(64) == 4
+    assert KnobTable.parse(8, "x").get(1024) == 8
+
+
+@pytest.mark.parametrize(
+    "patch,match",
+    [
+        (("forward", "gather", {"default": 3}), "forward.gather values must be powers of two"),
+        (("backward", "short_threshold", 0), "short_threshold must be >= 1"),
+        (("backward", "tile", {128: 4}), "needs a 'default' entry"),
+        (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
+    ],
+)
+def test_bad_knobs_are_rejected(patch, match, tmp_path):
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    section, key, value = patch
+    doc[section][key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=match):
+        load_named(str(path))
+
+
+def test_selection_order(monkeypatch, tmp_path):
+    cpu = torch.device("cpu")
+    assert load_config(cpu).target == "interpreter"
+    monkeypatch.setenv("TORCHREC_TRITON_TBE_CONFIG", "sm90")
+    assert load_config(cpu).target == "sm90"
+    explicit = load_named("sm100")
+    assert load_config(cpu, explicit) is explicit
+    assert load_config(cpu, "interpreter").target == "interpreter"
+    monkeypatch.setenv("TORCHREC_TRITON_TBE_CONFIG", "no-such-target")
+    with pytest.raises(FileNotFoundError, match="no-such-target"):
+        load_config(cpu)
+
+
+def test_tile_warps_caps_replication():
+    assert tile_warps(8, 16 * 128) == 8
+    assert tile_warps(4, 8 * 32) == 1
+    assert tile_warps(4, 32 * 8) == 1
+    assert tile_warps(2, 64 * 8) == 2
+
+
+def test_replace_helpers_keep_the_rest():
+    cfg = load_named("interpreter")
+    other = cfg.replace_backward(short_threshold=7)
+    assert isinstance(other, KernelConfig) and other.backward.short_threshold == 7
+    assert other.forward == cfg.forward and other.transpose == cfg.transpose

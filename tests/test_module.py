@@ -1,0 +1,159 @@
+"""The FBGEMM-compatible surface of TritonTBE: constructor keywords, state getters with FBGEMM's
+shapes and semantics (compared with FBGEMM's CPU TBE), learning-rate plumbing, clear errors."""
+
+import inspect
+
+import pytest
+import torch
+
+from tbe_cases import EmbOptimType, PoolingMode, SparseType, assert_close, make_pair
+from torchrec_triton_tbe._fbgemm import ComputeDevice, EmbeddingLocation, WeightDecayMode
+from torchrec_triton_tbe.module import TritonTBE
+
+SPECS = [(10, 4), (6, 8)]
+
+
+def test_constructor_accepts_every_fbgemm_keyword():
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    ours = inspect.signature(TritonTBE.__init__).parameters
+    theirs = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
+    missing = [name for name in theirs if name not in ours]
+    assert not missing, f"FBGEMM keywords TritonTBE does not accept: {missing}"
+    for name, p in theirs.items():
+        if name == "self" or p.default is inspect.Parameter.empty:
+            continue
+        assert ours[name].default == p.default or (ours[name].default is None and p.default is None), name
+    # FBGEMM's positional order up to the last keyword both versions share in the same place.
+    assert list(ours)[: list(theirs).index("weight_decay_mode") + 1] == list(theirs)[: list(theirs).index("weight_decay_mode") + 1]
+
+
+def test_forward_signature_is_fbgemms():
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    assert list(inspect.signature(TritonTBE.forward).parameters) == list(
+        inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.forward).parameters
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(gradient_clipping=True), "gradient_clipping"),
+        (dict(max_norm=1.0), "max_norm"),
+        (dict(weight_decay=0.1), "weight_decay"),
+        (dict(weight_decay_mode=WeightDecayMode.L2), "weight_decay_mode"),
+        (dict(optimizer=EmbOptimType.ADAM), "optimizer"),
+        (dict(optimizer=EmbOptimType.EXACT_ADAGRAD), "optimizer"),
+        (dict(pooling_mode=PoolingMode.NONE), "pooling_mode"),
+        (dict(weights_precision=SparseType.INT8), "weights_precision"),
+        (dict(output_dtype=SparseType.INT8), "output_dtype"),
+        (dict(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming"),
+    ],
+)
+def test_result_changing_unsupported_keywords_raise(kwargs, name):
+    with pytest.raises(NotImplementedError, match=name):
+        TritonTBE(SPECS, device="cpu", **kwargs)
+
+
+def test_ignored_keywords_are_accepted():
+    m = TritonTBE(SPECS, device="cpu", cache_load_factor=0.5, enforce_hbm=True, prefetch_pipeline=True, momentum=0.5,
+                  beta1=0.8, uvm_non_rowwise_momentum=True, embedding_shard_info=[(10, 4, 0, 0), (6, 8, 0, 0)])
+    assert m(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).shape == (1, 12)
+
+
+def test_four_tuple_specs_and_placement():
+    specs4 = [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in SPECS]
+    m = TritonTBE(specs4)  # all CPU specs: the module lives on the CPU, as FBGEMM's would
+    assert m.current_device == torch.device("cpu")
+    assert [tuple(w.shape) for w in m.split_embedding_weights()] == [(10, 4), (6, 8)]
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+def test_state_getters_match_fbgemm_shapes(optimizer):
+    ours, fb = make_pair(SPECS, oracle="fbgemm", optimizer=optimizer)
+    assert [w.shape for w in ours.split_embedding_weights()] == [w.shape for w in fb.split_embedding_weights()]
+    ours_states, fb_states = ours.split_optimizer_states(), fb.split_optimizer_states()
+    assert [[s.shape for s in t] for t in ours_states] == [[s.shape for s in t] for t in fb_states]
+    ours_opt, fb_opt = ours.get_optimizer_state(), fb.get_optimizer_state()
+    assert [{k: v.shape for k, v in d.items()} for d in ours_opt] == [
+        {k: v.shape for k, v in d.items() if k == "sum"} for d in fb_opt
+    ]
+    if optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        assert all(set(d) == {"sum"} for d in ours_opt)
+    else:
+        assert ours_opt == [] and ours_states == []
+
+
+def test_split_embedding_weights_are_writable_views():
+    m = TritonTBE(SPECS, device="cpu")
+    m.split_embedding_weights()[1][3].fill_(2.5)
+    out = m(torch.tensor([0, 3]), torch.tensor([0, 1, 2]))
+    assert torch.equal(out[0, 4:], torch.full((8,), 2.5))
+
+
+def test_init_embedding_weights_uniform():
+    m = TritonTBE(SPECS, device="cpu")
+    m.init_embedding_weights_uniform(-0.25, 0.25)
+    for w in m.split_embedding_weights():
+        assert w.min() >= -0.25 and w.max() <= 0.25 and w.std() > 0
+
+
+def test_learning_rate_and_hyper_parameters_reach_the_kernels():
+    ours, ref = make_pair([(8, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          learning_rate=0.1, eps=0.5)
+    ours.set_learning_rate(0.7)
+    ours.update_hyper_parameters({"eps": 0.05, "lr": 0.3})
+    ref.lr, ref.eps = 0.3, 0.05
+    assert ours.get_learning_rate() == pytest.approx(0.3)
+    indices, offsets = torch.tensor([1, 1, 5]), torch.tensor([0, 2, 3])
+    grad = torch.randn(2, 4)
+    ours(indices, offsets).backward(grad)
+    ref.forward(indices, offsets).backward(grad.double())
+    ref.step()
+    assert_close(ours.split_embedding_weights()[0], ref.tables[0], "after lr/eps change", atol=1e-6, rtol=1e-6)
+    assert_close(ours.split_optimizer_states()[0][0], ref.momentum[0], "state", atol=1e-7, rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="weight_decay"):
+        ours.update_hyper_parameters({"weight_decay": 0.1})
+
+
+def test_optimizer_step_counter():
+    m = TritonTBE(SPECS, device="cpu")
+    m.set_optimizer_step(41)
+    m(torch.tensor([1]), torch.tensor([0, 1, 1])).sum().backward()
+    assert int(m.iter) == 42
+    m.flush()
+    m.reset_cache_states()
+
+
+def test_variable_batch_size_is_refused_clearly():
+    m = TritonTBE(SPECS, device="cpu")
+    with pytest.raises(NotImplementedError, match="variable batch size"):
+        m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), batch_size_per_feature_per_rank=[[1], [1]])
+
+
+@pytest.mark.parametrize(
+    "specs,ftm,match",
+    [
+        ([], None, "at least one table"),
+        ([(10, 0)], None, "dim > 0"),
+        ([(10, 4)], [1], "not a table index"),
+        ([(10, 4), (5, 4)], [0], None),  # a table no feature uses is allowed (FBGEMM asserts; we don't need to)
+    ],
+)
+def test_bad_layouts(specs, ftm, match):
+    if match is None:
+        TritonTBE(specs, feature_table_map=ftm, device="cpu")
+        return
+    with pytest.raises(ValueError, match=match):
+        TritonTBE(specs, feature_table_map=ftm, device="cpu")
+
+
+def test_state_dict_round_trip():
+    a = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    a.init_embedding_weights_uniform(-1, 1)
+    a(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
+    b = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    b.load_state_dict(a.state_dict())
+    for x, y in zip(a.split_embedding_weights() + [a.momentum1], b.split_embedding_weights() + [b.momentum1]):
+        assert torch.equal(x, y)

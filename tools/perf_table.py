@@ -1,0 +1,62 @@
+"""Markdown summary of a benchmark JSON (bench.cli --json): the summary line, per-shape times and
+ratios, and each backward's achieved traffic against a floor.
+
+    python tools/perf_table.py docs/results/h200-<date>.json
+
+Backward floor (row-wise Adagrad): every lookup's gradient row read once (D * 4 B, fp32 output
+gradients), every unique row read and written once (2 * D * weight bytes) plus 8 B of state, at the
+measured device-to-device copy bandwidth. It ignores the sort, so it is a lower bound.
+"""
+
+import json
+import math
+import sys
+
+WBYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def main(path: str) -> None:
+    d = json.load(open(path))
+    env = d["environment"]
+    copy_gbps = d["copy_bandwidth"]["gbps"]
+    fwd, bwd, worst = [], [], (math.inf, "")
+    rows = []
+    for s in d["shapes"]:
+        r = s["results"]
+        o = s["options"]
+        gen = s["generator"]
+        D_mean = sum(s["Ds"]) / len(s["Ds"])
+        wb = WBYTES[o["weights_precision"]]
+        floor_bytes = s["lookups"] * D_mean * 4 + gen["unique_rows"] * (2 * D_mean * wb + 8)
+        floor_ms = floor_bytes / copy_gbps / 1e6
+        cells = [s["name"], f"{s['lookups'] / 1e6:.2f}M"]
+        for p in ("fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"):
+            x = r[p]
+            t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
+            cells += [f"{t:.3f}", f"{f:.3f}", f"{sp:.2f}×"]
+            if p == "fwd":
+                fwd.append(sp)
+                cells.append(f"{x['triton']['gbps']:.0f}")
+            if p == "bwd_exact_rowwise_adagrad":
+                bwd.append(sp)
+                cells += [f"{floor_ms:.2f}", f"{floor_bytes / t / 1e6:.0f}"]
+            if p != "bwd_exact_sgd" and sp < worst[0]:
+                worst = (sp, f"{s['name']} {p}")
+        rows.append(cells)
+    g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    fb = env["versions"]["fbgemm_gpu"]["version"]
+    date = env["date"][:10]
+    print(f"H200 vs FBGEMM {fb}: forward geo-mean {g(fwd):.2f}×, backward (row-wise Adagrad) geo-mean "
+          f"{g(bwd):.2f}×, worst shape {worst[0]:.2f}× ({date}, {env['git_commit']})")
+    print()
+    print(f"worst: {worst[1]}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    print()
+    print("| shape | lookups | fwd ours ms | fwd FBGEMM ms | fwd × | fwd GB/s | bwd SGD ours | bwd SGD FBGEMM | SGD × "
+          "| bwd RWA ours | bwd RWA FBGEMM | RWA × | RWA floor ms | RWA achieved GB/s |")
+    print("|" + "---|" * 14)
+    for c in rows:
+        print("| " + " | ".join(c[:6] + c[6:9] + c[9:]) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
