@@ -1,5 +1,5 @@
 # Set-up and entry points for a CPU machine (kernels run under Triton's interpreter).
-#   make demo   set up (once) and run the main job on a small CPU default
+#   make demo   set up (once) and run the main job (TorchRec A/B: fused vs Triton) on a small CPU default
 #   make test   set up (once) and run the full test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +19,7 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m torchrec_triton_tbe.demo
+	$(PY) -m torchrec_triton_tbe.torchrec_demo
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -15,6 +15,27 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _check_import_order() -> None:
+    """Triton fixes interpreted-or-compiled per function when it is decorated. If Triton was imported
+    (``import torchrec`` does it) before TRITON_INTERPRET=1 was set, its own library (``tl.sum``, ...)
+    stays compiled-mode and every kernel would fail at its first launch with "Cannot call @triton.jit'd
+    outside of the scope of a kernel". Say so at import, with the fix."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.sum, InterpretedFunction):
+        raise ImportError(
+            "torchrec_triton_tbe: Triton was imported (e.g. by `import torchrec`) before TRITON_INTERPRET=1 was "
+            "set, so its kernels cannot run under Triton's interpreter on this machine without CUDA. Import "
+            "torchrec_triton_tbe (or torchrec_triton_tbe.plugin) before torchrec, or export TRITON_INTERPRET=1."
+        )
+
+
+_check_import_order()
+
+
 # Set by the ahead-of-time gate (aot.py) while it drives the module on CPU tensors with kernel
 # launches replaced by a recorder: nothing executes, so compiled kernels and CPU tensors may meet.
 RECORD_LAUNCHES = False

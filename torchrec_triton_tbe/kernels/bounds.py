@@ -10,6 +10,8 @@ check is fused.
 import triton
 import triton.language as tl
 
+from torchrec_triton_tbe.kernels.common import bag_bounds
+
 # Modes of the id check (ops/bounds.py maps FBGEMM's BoundsCheckMode onto them).
 REPAIR_OFF: tl.constexpr = tl.constexpr(0)
 REPAIR_COUNT: tl.constexpr = tl.constexpr(1)  # WARNING: repair to row 0 and count
@@ -58,9 +60,7 @@ def _check_indices_kernel(
     for bb in tl.static_range(BAGS):
         b = pid_b * BAGS + bb
         if b < B:
-            bag = t.to(tl.int64) * B + b
-            start = tl.load(offsets_ptr + bag).to(tl.int64)
-            end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+            bag, start, end = bag_bounds(offsets_ptr, t, b, B)
             for j in range(start, end, GATHER):
                 lmask = (j + g) < end
                 idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)

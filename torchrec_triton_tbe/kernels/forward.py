@@ -11,8 +11,8 @@ tile whose addresses depend on one index load.
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.bounds import repair_indices
-from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices
+from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
 
 
 @triton.jit
@@ -66,19 +66,14 @@ def _pooled_forward_kernel(
     o_col = tl.load(feature_out_offset_ptr + t)
     num_rows = tl.load(feature_rows_ptr + t)
     cols = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        cmask = cols < BLOCK_D
-    else:
-        cmask = cols < D
+    cmask = column_mask(cols, D, EVEN_D, BLOCK_D)
     g = tl.arange(0, GATHER)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     repaired = tl.full([], 0, tl.int32)
     for bb in tl.static_range(BAGS):
         b = pid_b * BAGS + bb
         if b < B:
-            bag = t.to(tl.int64) * B + b
-            start = tl.load(offsets_ptr + bag).to(tl.int64)
-            end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+            bag, start, end = bag_bounds(offsets_ptr, t, b, B)
             acc = tl.zeros([BLOCK_D], dtype=acc_ty)
             for j in range(start, end, GATHER):
                 lmask = (j + g) < end

@@ -7,6 +7,8 @@ Byte accounting per lookup: id (4/8 B) + one weight row (D * E B) + 4 B out; per
 import triton
 import triton.language as tl
 
+from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
+
 
 @triton.jit
 def _psw_grad_kernel(
@@ -41,17 +43,12 @@ def _psw_grad_kernel(
     if HAS_FEATURE_MASK:
         enabled = tl.load(feature_requires_grad_ptr + t)
     cols = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        cmask = cols < BLOCK_D
-    else:
-        cmask = cols < D
+    cmask = column_mask(cols, D, EVEN_D, BLOCK_D)
     g = tl.arange(0, GATHER)
     for bb in tl.static_range(BAGS):
         b = pid_b * BAGS + bb
         if b < B:
-            bag = t.to(tl.int64) * B + b
-            start = tl.load(offsets_ptr + bag).to(tl.int64)
-            end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+            bag, start, end = bag_bounds(offsets_ptr, t, b, B)
             go = tl.load(grad_out_ptr + b.to(tl.int64) * total_D + o_col + cols, mask=cmask, other=0.0)
             go = go.to(tl.float32)
             if POOLING_MEAN:

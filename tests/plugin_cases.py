@@ -1,0 +1,347 @@
+"""Shared material for the TorchRec plugin tests: a small collection of tables, skewed KJT batches,
+DistributedModelParallel construction for a plan, A/B training of the same plan on ``fused``
+(FBGEMM's CPU TBE) and on the Triton kernel, state comparison, and process groups (an in-process
+world of one, or spawned gloo ranks)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import socket
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# First: the plugin must be imported before torchrec on a machine without CUDA (see torchrec_triton_tbe/_env.py).
+import torchrec_triton_tbe.plugin as plugin
+from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType
+from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
+
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardedTensor, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+logging.getLogger("torchrec").setLevel(logging.ERROR)
+
+# Dims are multiples of 8 so a two-way column split keeps FBGEMM's multiple-of-4 rule.
+TABLES = (
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=24, feature_names=["f0"], pooling=PoolingType.SUM),
+    EmbeddingBagConfig(
+        name="t1", embedding_dim=16, num_embeddings=20, feature_names=["f1", "f2"], pooling=PoolingType.MEAN
+    ),
+    EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f3"], pooling=PoolingType.SUM),
+)
+B = 4
+LR = 0.1
+# By weight precision, as in tests/tbe_cases.py (fp16: FBGEMM's own test tolerance).
+TOLERANCE = {DataType.FP32: (1e-5, 1e-5), DataType.FP16: (5e-3, 2e-2)}
+ATOL, RTOL = TOLERANCE[DataType.FP32]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which collection: per-sample weights or not, weight precision."""
+
+    weighted: bool = False
+    data_type: DataType = DataType.FP32
+
+    @property
+    def tables(self) -> Sequence[EmbeddingBagConfig]:
+        # Weighted: all SUM, since FBGEMM 1.9.0's CPU backward of weighted MEAN omits the 1/L its
+        # forward applies.
+        pooling = {"pooling": PoolingType.SUM} if self.weighted else {}
+        return tuple(dataclasses.replace(t, data_type=self.data_type, **pooling) for t in TABLES)
+
+
+# ---------------------------------------------------------------------------------------------- process groups
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def single_rank_pg() -> dist.ProcessGroup:
+    """The pytest process as a gloo world of one (created once, kept for the session)."""
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    return dist.group.WORLD
+
+
+def spawn(fn: Callable, world_size: int, *args) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; a failure on any rank
+    (with its traceback) fails the caller."""
+    torch.multiprocessing.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks share two cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+class Model(nn.Module):
+    def __init__(self, variant: Variant = Variant(), device: str = "meta") -> None:
+        super().__init__()
+        self.variant = variant
+        self.ebc = EmbeddingBagCollection(
+            tables=list(variant.tables), is_weighted=variant.weighted, device=torch.device(device)
+        )
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.ebc(kjt).values()
+
+
+def reference_state(variant: Variant = Variant(), seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Unsharded initial weights, the same on every rank: both kernels start from them."""
+    torch.manual_seed(seed)
+    return Model(variant, device="cpu").state_dict()
+
+
+def batch(
+    tables: Sequence[EmbeddingBagConfig], step: int, rank: int = 0, dtype: torch.dtype = torch.int64,
+    max_L: int = 3, bad_ids: bool = False, weighted: bool = False,
+) -> KeyedJaggedTensor:
+    """Skewed ids: row 0 of each table takes a third of the lookups (long runs in backward), the rest
+    follow rows * u^3. ``bad_ids`` puts one out-of-range id (and one negative) in the first feature;
+    ``weighted`` adds per-sample weights in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    keys, lengths, values = [], [], []
+    for table in tables:
+        for name in table.feature_names:
+            ls = torch.randint(0, max_L + 1, (B,), generator=g)
+            n = int(ls.sum())
+            tail = (table.num_embeddings * torch.rand(n, generator=g) ** 3).long().clamp(max=table.num_embeddings - 1)
+            hot = torch.rand(n, generator=g) < 0.33
+            keys.append(name)
+            lengths.append(ls)
+            values.append(torch.where(hot, torch.zeros_like(tail), tail))
+    if bad_ids:
+        lengths[0][0] += 2
+        first = values[0]
+        values[0] = torch.cat([torch.tensor([tables[0].num_embeddings + 5, -3]), first])
+    ids = torch.cat(values)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=ids.to(dtype), lengths=torch.cat(lengths).to(dtype),
+        weights=torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None,
+    )
+
+
+def loss_fn(pooled: torch.Tensor, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + step)
+    proj = torch.randn(pooled.shape[1], generator=g)
+    target = torch.randn(pooled.shape[0], generator=g)
+    return ((pooled @ proj - target) ** 2).mean()
+
+
+# ---------------------------------------------------------------------------------------------- plans and DMP
+GENERATORS = {
+    "table_wise": lambda ws: {"t0": table_wise(rank=0), "t1": table_wise(rank=ws - 1), "t2": table_wise(rank=0)},
+    "row_wise": lambda ws: {"t0": row_wise(), "t1": row_wise(), "t2": row_wise()},
+    # Two column shards per table: on one rank both land on rank 0 (one slice spans both).
+    "column_wise": lambda ws: {t.name: column_wise(ranks=[0, ws - 1]) for t in TABLES},
+    "table_row_wise": lambda ws: {t.name: table_row_wise(host_index=0) for t in TABLES},
+}
+
+
+def base_plan(sharding: str, world_size: int, variant: Variant = Variant()) -> EmbeddingModuleShardingPlan:
+    gens = GENERATORS[sharding](world_size)
+    return construct_module_sharding_plan(
+        Model(variant).ebc, {t.name: gens[t.name] for t in TABLES}, sharder=TritonTBESharder(),
+        local_size=world_size, world_size=world_size, device_type="cpu",
+    )
+
+
+def fused_params(optimizer: EmbOptimType, **extra) -> dict:
+    return dict(optimizer=optimizer, learning_rate=LR, eps=0.05, **extra)
+
+
+def make_dmp(plan: EmbeddingModuleShardingPlan, sharder, variant: Variant = Variant(), init: Optional[dict] = None):
+    dmp = DistributedModelParallel(
+        Model(variant), env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}), sharders=[sharder],
+    )
+    state = init if init is not None else reference_state(variant)
+    result = dmp.load_state_dict(state, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    return dmp
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One A/B: the same plan and batches, trained on ``fused`` and on ours."""
+
+    sharding: str = "table_wise"
+    optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    options: TritonTBEOptions = TritonTBEOptions()
+    kjt_dtype: torch.dtype = torch.int64
+    bounds_check_mode: Optional[BoundsCheckMode] = None
+    bad_ids: bool = False
+    variant: Variant = Variant()
+    steps: int = 2
+
+    def plans(self, world_size: int):
+        plan = base_plan(self.sharding, world_size, self.variant)
+        if self.bounds_check_mode is not None:
+            for ps in plan.values():
+                ps.bounds_check_mode = self.bounds_check_mode
+        return use_fused(plan), use_triton_tbe(plan, options=self.options)
+
+
+def train(dmp, steps: int, rank: int, kjt_dtype=torch.int64, bad_ids: bool = False, first_step: int = 0) -> List[float]:
+    variant = dmp.module.variant
+    losses = []
+    for step in range(first_step, first_step + steps):
+        kjt = batch(variant.tables, step, rank, kjt_dtype, bad_ids=bad_ids, weighted=variant.weighted)
+        loss = loss_fn(dmp(kjt), step)
+        loss.backward()
+        dmp.fused_optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run_case(case: Case, rank: int = 0, world_size: int = 1):
+    """Trains the case's plan on fused and on ours and asserts they match; returns (ours, fused)."""
+    fused_plan, our_plan = case.plans(world_size)
+    sharder = TritonTBESharder(fused_params=fused_params(case.optimizer))
+    results = []
+    for plan in (fused_plan, our_plan):
+        dmp = make_dmp(plan, sharder, case.variant)
+        losses = train(dmp, case.steps, rank, case.kjt_dtype, case.bad_ids)
+        results.append((losses, dmp))
+    (fused_losses, fused_dmp), (our_losses, our_dmp) = results
+    assert_routed(our_dmp, expect_ours=True)
+    assert_routed(fused_dmp, expect_ours=False)
+    assert_options(our_dmp, case)
+    atol, rtol = TOLERANCE[case.variant.data_type]
+    assert_close(torch.tensor(our_losses), torch.tensor(fused_losses), f"{case} losses", atol, rtol)
+    assert_same_state(our_dmp, fused_dmp, str(case), atol, rtol)
+    return our_dmp, fused_dmp
+
+
+def run_cases(rank: int, world_size: int, cases: Sequence[Case]) -> None:
+    for case in cases:
+        run_case(case, rank, world_size)
+
+
+# ---------------------------------------------------------------------------------------------- comparisons
+def kernels(dmp) -> list:
+    sharded = dmp.module.ebc
+    return [k for lookup in sharded._lookups for k in _unwrap(lookup)._emb_modules]
+
+
+def _unwrap(lookup):
+    while hasattr(lookup, "module") and not hasattr(lookup, "_emb_modules"):
+        lookup = lookup.module
+    return lookup
+
+
+def assert_routed(dmp, expect_ours: bool) -> None:
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+
+    ks = kernels(dmp)
+    assert ks, "no kernels on this rank"
+    kind = plugin.TritonTBEEmbeddingBag if expect_ours else BatchedFusedEmbeddingBag
+    assert all(type(k) is kind for k in ks), [type(k).__name__ for k in ks]
+
+
+def assert_options(dmp, case: Case) -> None:
+    """The plan's options reached every one of our kernels' modules."""
+    options = case.options
+    index_dtype = options.index_dtype or torch.int64
+    for kernel in kernels(dmp):
+        module = kernel.emb_module
+        assert kernel.options == options, (kernel.options, options)
+        assert (module.spec.hoist_transpose, module.spec.fused_bounds_check) == (
+            options.hoist_transpose, options.fused_bounds_check)
+        assert module.embedding_table_index_type == module.embedding_table_offset_type == index_dtype
+        if options.kernel_config is not None:
+            assert module.kernel_config.target == options.kernel_config
+
+
+def local(t) -> torch.Tensor:
+    """A tensor, or the local shards of a ShardedTensor stacked along their first dim."""
+    if isinstance(t, ShardedTensor):
+        shards = [s.tensor.reshape(-1) for s in t.local_shards()]
+        return torch.cat(shards) if shards else torch.zeros(0)
+    return t.reshape(-1)
+
+
+def shard_layout(t) -> tuple:
+    if isinstance(t, ShardedTensor):
+        meta = t.metadata()
+        return ("sharded", tuple(t.size()), tuple(
+            (tuple(m.shard_offsets), tuple(m.shard_sizes), str(m.placement)) for m in meta.shards_metadata))
+    return ("tensor", tuple(t.size()))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.numel():
+        diff = (actual.double() - expected.double()).abs()
+        bad = diff > atol + rtol * expected.double().abs()
+        assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} differ, max |diff| {float(diff.max()):.3e}"
+
+
+def optimizer_state(dmp) -> Dict[str, torch.Tensor]:
+    state = dmp.fused_optimizer.state_dict()["state"]
+    return {f"{param}/{key}": value for param, entries in state.items() for key, value in entries.items()}
+
+
+def assert_same_state(ours, fused, what: str, atol=ATOL, rtol=RTOL) -> None:
+    """Same keys, layouts and (local) values in the model state_dict and the fused optimizer state."""
+    for kind, a, b in (("weights", ours.state_dict(), fused.state_dict()),
+                       ("optimizer", optimizer_state(ours), optimizer_state(fused))):
+        assert sorted(a) == sorted(b), f"{what} {kind}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            layouts = shard_layout(a[key]), shard_layout(b[key])
+            assert layouts[0] == layouts[1], f"{what} {key}: {layouts[0]} != {layouts[1]}"
+            assert_close(local(a[key]), local(b[key]), f"{what} {kind} {key}", atol, rtol)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def checkpoint_interchange(rank: int, world_size: int, sharding: str,
+                           optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD) -> None:
+    """A checkpoint (model state_dict + fused optimizer state_dict) written with one kernel loads into
+    a model planned with the other, and training continues identically; both directions."""
+    fused_plan, our_plan = Case(sharding=sharding).plans(world_size)
+    sharder = TritonTBESharder(fused_params=fused_params(optimizer))
+    for src_plan, dst_plan in ((fused_plan, our_plan), (our_plan, fused_plan)):
+        what = f"{sharding} {src_plan['t0'].compute_kernel} -> {dst_plan['t0'].compute_kernel}"
+        src = make_dmp(src_plan, sharder)
+        train(src, 2, rank)
+        model_sd = copy.deepcopy(src.state_dict())
+        optim_sd = copy.deepcopy(src.fused_optimizer.state_dict())
+        dst = make_dmp(dst_plan, sharder, init=reference_state(seed=1))
+        fresh = torch.cat([local(v) for _, v in sorted(dst.state_dict().items())])
+        assert not torch.allclose(fresh, torch.cat([local(v) for _, v in sorted(model_sd.items())])), "no-op load"
+        result = dst.load_state_dict(model_sd)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        dst.fused_optimizer.load_state_dict(optim_sd)
+        assert_same_state(dst, src, f"{what} after load", atol=0, rtol=0)
+        src_losses = train(src, 2, rank, first_step=2)
+        dst_losses = train(dst, 2, rank, first_step=2)
+        assert_close(torch.tensor(dst_losses), torch.tensor(src_losses), f"{what} losses after load")
+        assert_same_state(dst, src, f"{what} after training on")

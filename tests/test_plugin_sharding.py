@@ -1,0 +1,157 @@
+"""Routing and A/B equivalence: every supported sharding type, on 1 and 2 gloo ranks, trains the same
+model and batches to the same losses, weights and optimizer state with our kernel as with ``fused``
+(FBGEMM's CPU TBE), for SGD and row-wise Adagrad, int32 and int64 plans, every bounds-check mode, and
+each plan option on and off (options spread over the cases)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import plugin_cases as pc
+from plugin_cases import BoundsCheckMode, Case, EmbOptimType, TritonTBEOptions as Options, Variant
+from torchrec_triton_tbe.plugin import sharding as routing, use_triton_tbe
+
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+
+ADAGRAD, SGD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD
+I32, I64 = torch.int32, torch.int64
+WEIGHTED, FP16 = Variant(weighted=True), Variant(data_type=DataType.FP16)
+SUPPORTED_MODES = [BoundsCheckMode.FATAL, BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE, BoundsCheckMode.NONE]
+
+ONE_RANK = [
+    Case("table_wise", ADAGRAD),
+    Case("table_wise", SGD, Options(index_dtype=I32), kjt_dtype=I32),
+    Case("row_wise", ADAGRAD, Options(hoist_transpose=True)),
+    Case("row_wise", SGD, Options(index_dtype=I64, fused_bounds_check=True)),
+    Case("column_wise", ADAGRAD, Options(index_dtype=I32, hoist_transpose=True, fused_bounds_check=True)),
+    Case("column_wise", SGD),
+    Case("table_row_wise", ADAGRAD, Options(kernel_config="sm90")),
+    Case("table_row_wise", SGD, Options(hoist_transpose=True), kjt_dtype=I32),
+    Case("table_wise", ADAGRAD, Options(fused_bounds_check=True, hoist_transpose=True), variant=WEIGHTED),
+    Case("row_wise", SGD, Options(index_dtype=I32), variant=WEIGHTED),
+    Case("column_wise", ADAGRAD, Options(hoist_transpose=True), variant=FP16),
+]
+TWO_RANKS = [
+    Case("table_wise", ADAGRAD, Options(index_dtype=I32, fused_bounds_check=True), kjt_dtype=I32),
+    Case("row_wise", SGD, Options(hoist_transpose=True)),
+    Case("column_wise", ADAGRAD),
+    Case("table_row_wise", ADAGRAD, Options(index_dtype=I32, hoist_transpose=True, fused_bounds_check=True)),
+    Case("table_wise", SGD, Options(fused_bounds_check=True), bounds_check_mode=BoundsCheckMode.IGNORE, bad_ids=True),
+    Case("column_wise", SGD, Options(hoist_transpose=True), variant=WEIGHTED),
+]
+
+
+def _id(case: Case) -> str:
+    o = case.options
+    flags = [str(o.index_dtype)[6:] if o.index_dtype else "", "hoist" if o.hoist_transpose else "",
+             "fusedbc" if o.fused_bounds_check else "", o.kernel_config or "",
+             case.bounds_check_mode.name if case.bounds_check_mode is not None else "",
+             "bad-ids" if case.bad_ids else "", "weighted" if case.variant.weighted else "",
+             "" if case.variant.data_type == DataType.FP32 else case.variant.data_type.name.lower(),
+             f"kjt-{str(case.kjt_dtype)[6:]}"]
+    return "-".join([case.sharding, case.optimizer.name.lower()] + [f for f in flags if f])
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    pc.single_rank_pg()
+
+
+@pytest.mark.parametrize("case", ONE_RANK, ids=_id)
+def test_one_rank_matches_fused(one_rank, case):
+    pc.run_case(case)
+
+
+@pytest.mark.parametrize("fused_bounds_check", [False, True], ids=["separate-check", "fused-check"])
+@pytest.mark.parametrize("mode", SUPPORTED_MODES, ids=lambda m: m.name)
+def test_bounds_check_modes_match_fused(one_rank, mode, fused_bounds_check):
+    """TorchRec's ParameterSharding.bounds_check_mode reaches both kernels. WARNING and IGNORE repair
+    an out-of-range and a negative id (FBGEMM: id -> 0) identically; FATAL and NONE get valid ids."""
+    repairing = mode in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE)
+    case = Case(bounds_check_mode=mode, bad_ids=repairing, options=Options(fused_bounds_check=fused_bounds_check))
+    ours, _ = pc.run_case(case)
+    kernels = pc.kernels(ours)
+    assert {k.emb_module.bounds_check_mode_int for k in kernels} == {mode.value}
+    assert {k.emb_module.spec.fused_bounds_check for k in kernels} == {fused_bounds_check}
+    warned = sum(int(k.emb_module.bounds_check_warning.item()) for k in kernels)
+    assert (warned > 0) == (mode == BoundsCheckMode.WARNING), warned
+
+
+def test_fatal_mode_refuses_bad_ids(one_rank):
+    fused_plan, our_plan = Case(bounds_check_mode=BoundsCheckMode.FATAL).plans(1)
+    sharder = pc.TritonTBESharder(fused_params=pc.fused_params(ADAGRAD))
+    for plan, error in ((our_plan, ValueError), (fused_plan, RuntimeError)):
+        dmp = pc.make_dmp(plan, sharder)
+        with pytest.raises(error):
+            dmp(pc.batch(pc.TABLES, 0, bad_ids=True))
+
+
+def test_other_bounds_check_modes_are_refused(one_rank):
+    others = [m for m in BoundsCheckMode if m not in SUPPORTED_MODES]  # FBGEMM's V2_* modes
+    assert others
+    for mode in others:
+        _, our_plan = Case(bounds_check_mode=mode).plans(1)
+        with pytest.raises(NotImplementedError, match=f"bounds_check_mode={mode.name}"):
+            pc.make_dmp(our_plan, pc.TritonTBESharder())
+
+
+def test_two_ranks_match_fused():
+    pc.spawn(pc.run_cases, 2, TWO_RANKS)
+
+
+def test_every_option_value_is_covered():
+    cases = ONE_RANK + TWO_RANKS
+    for field, values in (("index_dtype", {None, I32, I64}), ("hoist_transpose", {False, True}),
+                          ("fused_bounds_check", {False, True})):
+        assert {getattr(c.options, field) for c in cases} == values, field
+    assert {c.sharding for c in ONE_RANK} == {c.sharding for c in TWO_RANKS} == set(routing.SUPPORTED_SHARDING_TYPES)
+    assert {c.optimizer for c in ONE_RANK} == {c.optimizer for c in TWO_RANKS} == {SGD, ADAGRAD}
+    assert {c.kjt_dtype for c in ONE_RANK} == {I32, I64}
+    assert {c.variant.weighted for c in ONE_RANK} == {c.variant.weighted for c in TWO_RANKS} == {False, True}
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def test_routing_installed_once():
+    for cls in (GroupedPooledEmbeddingsLookup, GroupedEmbeddingsLookup):
+        wrapped = cls.__dict__["_create_embedding_kernel"]
+        routing.install()
+        assert cls.__dict__["_create_embedding_kernel"] is wrapped
+        assert not hasattr(getattr(wrapped, routing._PATCHED), routing._PATCHED)  # wraps the original
+    assert routing.installed()
+
+
+@dataclasses.dataclass
+class _OtherPluginSharding(ParameterSharding):
+    def get_additional_fused_params(self):
+        return {"customized_compute_kernel": "other_plugin"}
+
+
+def test_other_customized_kernels_reach_torchrec_untouched(one_rank):
+    plan = pc.base_plan("table_wise", 1)
+    plan["t0"] = _OtherPluginSharding(**{f.name: getattr(plan["t0"], f.name)
+                                        for f in dataclasses.fields(ParameterSharding)})
+    plan["t0"].compute_kernel = "customized_kernel"
+    with pytest.raises(ValueError, match="Compute kernel not supported"):
+        pc.make_dmp(plan, pc.TritonTBESharder())
+
+
+def test_sequence_tables_are_refused_with_a_clear_error(one_rank):
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=20, feature_names=["g0"])],
+        device=torch.device("meta"),
+    )
+    plan = construct_module_sharding_plan(ec, {"s0": table_wise(rank=0)}, sharder=EmbeddingCollectionSharder(),
+                                          local_size=1, world_size=1, device_type="cpu")
+    with pytest.raises(NotImplementedError, match="EmbeddingCollection"):
+        DistributedModelParallel(
+            torch.nn.Sequential(ec), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+            device=torch.device("cpu"), plan=ShardingPlan({"0": use_triton_tbe(plan)}),
+            sharders=[EmbeddingCollectionSharder()],
+        )

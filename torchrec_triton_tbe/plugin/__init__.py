@@ -1,0 +1,36 @@
+"""TorchRec plugin: select the Triton TBE kernel per table in a sharding plan.
+
+    from torchrec_triton_tbe.plugin import TritonTBESharder, TritonTBEOptions, use_triton_tbe, use_fused
+
+Importing this package wraps TorchRec's lookup kernel factory (see ``sharding``) and registers the
+planner's bandwidth and guard for ``customized_kernel`` (see ``sharder``). Nothing changes for tables
+whose plan entry does not ask for ``customized_kernel`` with ``customized_compute_kernel="triton_tbe"``.
+"""
+
+# First: on a machine without CUDA, a wrong import order fails here (torchrec_triton_tbe._env), with the fix.
+from torchrec_triton_tbe import _env  # noqa: F401
+from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbeddingBag
+from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
+from torchrec_triton_tbe.plugin.sharder import (
+    TritonTBEParameterSharding,
+    TritonTBESharder,
+    TritonTBEShardedEmbeddingBagCollection,
+    install_planner_support,
+    use_fused,
+    use_triton_tbe,
+)
+from torchrec_triton_tbe.plugin.sharding import SUPPORTED_SHARDING_TYPES, install
+
+__all__ = [
+    "MARKER",
+    "SUPPORTED_SHARDING_TYPES",
+    "TritonTBEEmbeddingBag",
+    "TritonTBEOptions",
+    "TritonTBEParameterSharding",
+    "TritonTBESharder",
+    "TritonTBEShardedEmbeddingBagCollection",
+    "install",
+    "install_planner_support",
+    "use_fused",
+    "use_triton_tbe",
+]

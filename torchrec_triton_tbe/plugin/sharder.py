@@ -1,0 +1,271 @@
+"""Public face of the TorchRec plugin: the sharder, the plan entry that carries our options, plan
+rewriting for A/B runs against ``fused``, and the planner set-up.
+
+* ``TritonTBEParameterSharding``: a ``ParameterSharding`` with ``compute_kernel="customized_kernel"``, the
+  marker ``customized_compute_kernel="triton_tbe"`` and our options as fields; TorchRec passes them to
+  the kernel through ``get_additional_fused_params()``. ``bounds_check_mode`` is TorchRec's own field.
+* ``use_triton_tbe(plan, ...)`` / ``use_fused(plan, ...)``: the same plan with the kernel switched.
+* ``TritonTBESharder``: an ``EmbeddingBagCollectionSharder`` that offers ``customized_kernel`` to the
+  planner, upgrades the planner's plain ``ParameterSharding`` entries to ours, and builds a sharded
+  collection whose state_dict holds ShardedTensors for our tables as for ``fused`` ones.
+* Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
+  raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
+  tables whose ``ParameterConstraints.compute_kernels`` ask for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, Optional, TypeVar, Union
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.planner import enumerators as _enumerators
+from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
+from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingEnv2D,
+    ShardingPlan,
+    ShardingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_triton_tbe.config import KernelConfig
+from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions, reject_plugin_keys
+from torchrec_triton_tbe.plugin.sharding import SEQUENCE_UNSUPPORTED, SUPPORTED_SHARDING_TYPES
+
+CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+FUSED = EmbeddingComputeKernel.FUSED.value
+
+
+# ---------------------------------------------------------------------------------------------- plan entries
+@dataclasses.dataclass
+class TritonTBEParameterSharding(ParameterSharding):
+    """A plan entry selecting the Triton TBE kernel; the option fields are ``TritonTBEOptions``'s."""
+
+    compute_kernel: str = CUSTOMIZED
+    customized_compute_kernel: str = MARKER
+    index_dtype: Optional[torch.dtype] = None
+    fused_bounds_check: bool = False
+    hoist_transpose: bool = False
+    kernel_config: Union[str, KernelConfig, None] = None
+
+    def __post_init__(self) -> None:
+        if self.compute_kernel != CUSTOMIZED:
+            raise ValueError(
+                f"TritonTBEParameterSharding needs compute_kernel={CUSTOMIZED!r}, got {self.compute_kernel!r}; "
+                "use a plain ParameterSharding (or use_fused) for other kernels"
+            )
+        if self.customized_compute_kernel != MARKER:
+            raise ValueError(f"TritonTBEParameterSharding.customized_compute_kernel must be {MARKER!r}")
+        if self.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise NotImplementedError(
+                f"Triton TBE kernel: sharding type {self.sharding_type!r} is not supported; "
+                f"supported: {list(SUPPORTED_SHARDING_TYPES)}"
+            )
+        _ = self.options  # validates the option fields
+
+    @property
+    def options(self) -> TritonTBEOptions:
+        return TritonTBEOptions(
+            index_dtype=self.index_dtype,
+            fused_bounds_check=self.fused_bounds_check,
+            hoist_transpose=self.hoist_transpose,
+            kernel_config=self.kernel_config,
+        )
+
+    def get_additional_fused_params(self) -> Dict[str, Any]:
+        # TorchRec's hook (torchrec/distributed/utils.py, add_params_from_parameter_sharding), called for
+        # CUSTOMIZED_KERNEL entries only.
+        return self.options.to_fused_params()
+
+    @classmethod
+    def from_sharding(cls, sharding: ParameterSharding, options: TritonTBEOptions) -> "TritonTBEParameterSharding":
+        base = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+        base["compute_kernel"] = CUSTOMIZED
+        # Not dataclasses.asdict: it would turn a KernelConfig into a dict.
+        return cls(**base, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+
+
+def _plain(sharding: ParameterSharding, compute_kernel: str) -> ParameterSharding:
+    base = {f.name: getattr(sharding, f.name) for f in dataclasses.fields(ParameterSharding)}
+    base["compute_kernel"] = compute_kernel
+    return ParameterSharding(**base)
+
+
+def is_triton_tbe_sharding(sharding: ParameterSharding) -> bool:
+    return isinstance(sharding, TritonTBEParameterSharding) and sharding.customized_compute_kernel == MARKER
+
+
+# ---------------------------------------------------------------------------------------------- plan rewriting
+Plan = TypeVar("Plan", ShardingPlan, EmbeddingModuleShardingPlan)
+
+
+def use_triton_tbe(
+    plan: Plan, tables: Optional[Iterable[str]] = None, options: TritonTBEOptions = TritonTBEOptions()
+) -> Plan:
+    """The same plan with ``tables`` (default: every model-parallel table) on the Triton TBE kernel.
+
+    Works on a planner's output or a hand-written plan; placements and shards are kept. Data-parallel
+    tables cannot use the kernel (asking for one by name is an error)."""
+    return _rewrite(plan, tables, lambda ps: TritonTBEParameterSharding.from_sharding(ps, options))
+
+
+def use_fused(plan: Plan, tables: Optional[Iterable[str]] = None) -> Plan:
+    """The same plan with ``tables`` (default: every model-parallel table) on FBGEMM's ``fused`` kernel.
+
+    Triton-only options are dropped; ``bounds_check_mode`` and the other TorchRec fields are kept."""
+    return _rewrite(plan, tables, lambda ps: _plain(ps, FUSED))
+
+
+def _rewrite(plan, tables, convert):
+    wanted = None if tables is None else set(tables)
+    module_plans = plan.plan if isinstance(plan, ShardingPlan) else {"": plan}
+    known = {t for mp in module_plans.values() if isinstance(mp, EmbeddingModuleShardingPlan) for t in mp}
+    if wanted is not None and not wanted <= known:
+        raise KeyError(f"tables {sorted(wanted - known)} are not in the plan")
+    rewritten = {
+        path: _rewrite_module(mp, wanted, convert) if isinstance(mp, EmbeddingModuleShardingPlan) else mp
+        for path, mp in module_plans.items()
+    }
+    return ShardingPlan(rewritten) if isinstance(plan, ShardingPlan) else rewritten[""]
+
+
+def _rewrite_module(module_plan: EmbeddingModuleShardingPlan, wanted, convert) -> EmbeddingModuleShardingPlan:
+    out = type(module_plan)()
+    for table, ps in module_plan.items():
+        if wanted is None:
+            # Data-parallel tables keep TorchRec's dense kernel.
+            selected = ps.sharding_type != ShardingType.DATA_PARALLEL.value
+        else:
+            selected = table in wanted
+        out[table] = convert(ps) if selected else ps
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- sharded module
+class TritonTBEShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """TorchRec's sharded collection, with our tables' state built like ``fused`` tables' state.
+
+    TorchRec skips CUSTOMIZED_KERNEL tables in ``_initialize_torch_state`` ("implemented in child
+    class"): they would get no ShardedTensor in ``state_dict()`` (so no multi-rank checkpoint layout),
+    and a rank holding no shard of one would register no ``weight`` (``reset_parameters()`` then fails).
+    Our kernel provides everything the fused path reads (``state_dict`` through TorchRec's
+    ``get_state_dict``, ``named_parameters_by_table``), so our tables are labelled ``fused`` while the
+    stock method runs, and restored afterwards."""
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        ours = {t: ps for t, ps in self.module_sharding_plan.items() if is_triton_tbe_sharding(ps)}
+        for table, ps in ours.items():
+            self.module_sharding_plan[table] = _plain(ps, FUSED)
+        try:
+            super()._initialize_torch_state(skip_registering)
+        finally:
+            self.module_sharding_plan.update(ours)
+
+
+# ---------------------------------------------------------------------------------------------- sharder
+class TritonTBESharder(EmbeddingBagCollectionSharder):
+    """Shards ``EmbeddingBagCollection``s; tables planned with ``customized_kernel`` use the Triton kernel.
+
+    ``fused_params`` are the usual sharder-wide FBGEMM keywords (optimizer, learning_rate, eps,
+    embedding_table_index_type, ...) shared by ``fused`` and Triton tables; ``options`` are applied to
+    plain ``ParameterSharding(compute_kernel="customized_kernel")`` entries (the planner's output, or
+    ``table_wise(rank, compute_kernel="customized_kernel")`` plans). Entries already of type
+    ``TritonTBEParameterSharding`` keep their own options.
+    """
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+    ) -> None:
+        reject_plugin_keys(fused_params, "TritonTBESharder")
+        if not isinstance(options, TritonTBEOptions):
+            raise TypeError(f"TritonTBESharder(options=...) takes a TritonTBEOptions, got {type(options).__name__}")
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        self.options = options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if sharding_type in SUPPORTED_SHARDING_TYPES:
+            kernels.append(CUSTOMIZED)  # guarded: the planner takes it only where constraints ask
+        return kernels
+
+    def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+        _require_pooled(module)
+        return super().shardable_parameters(module)
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> ShardedEmbeddingBagCollection:
+        _require_pooled(module)
+        params = {table: self._upgrade(table, ps) for table, ps in params.items()}
+        if isinstance(env, ShardingEnv2D) and any(is_triton_tbe_sharding(ps) for ps in params.values()):
+            # DMPCollection's replica weight sync looks for FBGEMM TBE modules only: ours would silently
+            # drift apart across replicas.
+            raise NotImplementedError("Triton TBE kernel: 2D parallel (DMPCollection / ShardingEnv2D) is not supported")
+        return TritonTBEShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:
+        return TritonTBEShardedEmbeddingBagCollection
+
+    def _upgrade(self, table: str, ps: ParameterSharding) -> ParameterSharding:
+        if ps.compute_kernel != CUSTOMIZED or isinstance(ps, TritonTBEParameterSharding):
+            return ps
+        if hasattr(ps, "get_additional_fused_params"):
+            return ps  # another plugin's customized kernel: route it untouched
+        if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise NotImplementedError(
+                f"Triton TBE kernel: table {table!r} is planned with sharding type {ps.sharding_type!r}; "
+                f"supported: {list(SUPPORTED_SHARDING_TYPES)}"
+            )
+        return TritonTBEParameterSharding.from_sharding(ps, self.options)
+
+
+def _require_pooled(module: nn.Module) -> None:
+    if not isinstance(module, EmbeddingBagCollection):
+        raise NotImplementedError(f"{SEQUENCE_UNSUPPORTED} TritonTBESharder was given a {type(module).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------------- planner set-up
+def install_planner_support() -> None:
+    """Idempotent; run on import.
+
+    Bandwidth: the default estimator config (torchrec 1.6.1 and 1.9.2 alike) raises for a kernel it
+    has no bandwidth for; ours gets the bandwidth TorchRec gives ``fused`` on default hardware (HBM on
+    cuda, DDR on cpu), so the planner selects it without preferring it. The dict is copied onto the
+    default config class: the base class's dict is shared by every registered config.
+
+    Guarding: without it the planner would pick ``customized_kernel`` for tables nobody asked for,
+    with plain entries that carry no options; guarded kernels are used only when a table's
+    ``ParameterConstraints.compute_kernels`` lists them."""
+    _enumerators.GUARDED_COMPUTE_KERNELS.add(EmbeddingComputeKernel.CUSTOMIZED_KERNEL)
+    bandwidths = dict(EmbeddingPerfEstimatorConfig.kernel_device_bandwidths)
+    bandwidths.setdefault(("cuda", CUSTOMIZED), HBM_MEM_BW)
+    bandwidths.setdefault(("cpu", CUSTOMIZED), DDR_MEM_BW)
+    EmbeddingPerfEstimatorConfig.kernel_device_bandwidths = bandwidths
+
+
+install_planner_support()

@@ -1,0 +1,102 @@
+"""Routing: TorchRec's ``CUSTOMIZED_KERNEL`` with our marker builds ``TritonTBEEmbeddingBag``.
+
+TorchRec has no kernel registry: ``GroupedPooledEmbeddingsLookup._create_embedding_kernel`` builds one
+kernel per grouped table config and raises ``ValueError`` for ``CUSTOMIZED_KERNEL``. We wrap that method
+(option A of the integration notes) rather than subclassing every sharding type (option B):
+
+* one wrapper covers table-wise, row-wise, column-wise and table-row-wise sharding, since each of them
+  builds the same lookup class; option B needs a subclass per sharding type overriding ``create_lookup``,
+  whose bodies differ between torchrec 1.6.1 and 1.9.2 (row-wise alone differs by ~230 lines), so
+  copies of them would be the fragile part;
+* the wrapped method has the same signature in 1.6.1 and 1.9.2 (``config, device, pg, sharding_type,
+  env``), and TorchRec calls it positionally in both;
+* the wrapper only acts on ``CUSTOMIZED_KERNEL`` groups carrying ``customized_compute_kernel="triton_tbe"``
+  (which TorchRec would reject anyway) and delegates everything else, other plugins' customized kernels
+  included, to the original method.
+
+The cost is a process-wide change at import of ``torchrec_triton_tbe.plugin``; ``install()`` is
+idempotent and ``installed()`` reports it. The sequence lookup (``EmbeddingCollection``) is wrapped too,
+only to refuse our marker with a clear error: sequence embeddings are not supported yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.types import ShardingEnv, ShardingType
+
+from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbeddingBag
+from torchrec_triton_tbe.plugin.options import is_triton_tbe
+
+_PATCHED = "_triton_tbe_routing"
+
+SUPPORTED_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+)
+
+SEQUENCE_UNSUPPORTED = (
+    "Triton TBE kernel: EmbeddingCollection (sequence embeddings, unpooled) is not supported yet; only "
+    "EmbeddingBagCollection (pooled) tables can use compute_kernel='customized_kernel' with "
+    "customized_compute_kernel='triton_tbe'. Use compute_kernel='fused' for sequence tables."
+)
+
+
+def _ours(config: GroupedEmbeddingConfig) -> bool:
+    return config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL and is_triton_tbe(config.fused_params)
+
+
+def _wrap_pooled(original):
+    @functools.wraps(original)
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: Optional[torch.device],
+        pg: Optional[dist.ProcessGroup],
+        sharding_type: Optional[ShardingType],
+        env: Optional[ShardingEnv] = None,
+    ):
+        if not _ours(config):
+            return original(self, config, device, pg, sharding_type, env)
+        # Sharding types are validated with the plan (TritonTBEParameterSharding, TritonTBESharder.shard):
+        # lookups cannot tell them apart (grid sharding passes TABLE_ROW_WISE, TW and CW pass none).
+        return TritonTBEEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type, env=env)
+
+    setattr(_create_embedding_kernel, _PATCHED, original)
+    return _create_embedding_kernel
+
+
+def _wrap_sequence(original):
+    @functools.wraps(original)
+    def _create_embedding_kernel(self, config, pg, device, env=None):
+        if _ours(config):
+            raise NotImplementedError(f"{SEQUENCE_UNSUPPORTED} Tables: {[t.name for t in config.embedding_tables]}")
+        return original(self, config, pg, device, env)
+
+    setattr(_create_embedding_kernel, _PATCHED, original)
+    return _create_embedding_kernel
+
+
+_TARGETS = ((GroupedPooledEmbeddingsLookup, _wrap_pooled), (GroupedEmbeddingsLookup, _wrap_sequence))
+
+
+def install() -> None:
+    """Wraps both lookups' ``_create_embedding_kernel`` once (re-imports and repeated calls are no-ops)."""
+    for cls, wrap in _TARGETS:
+        current = cls.__dict__["_create_embedding_kernel"]
+        if not hasattr(current, _PATCHED):
+            cls._create_embedding_kernel = wrap(current)
+
+
+def installed() -> bool:
+    return all(hasattr(cls.__dict__["_create_embedding_kernel"], _PATCHED) for cls, _ in _TARGETS)
+
+
+install()

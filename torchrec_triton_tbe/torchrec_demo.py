@@ -1,0 +1,299 @@
+"""A/B of a TorchRec model: the same DLRM trained with its sharding plan on ``fused`` (FBGEMM) and on
+the Triton TBE kernel, step by step.
+
+    python -m torchrec_triton_tbe.torchrec_demo [--steps 8] [--sharding table_wise] ...
+
+The model is TorchRec's DLRM (dense arch, pairwise interaction, over arch) over an
+EmbeddingBagCollection with SUM and MEAN tables fed Zipf-skewed ids. One plan is written, then
+switched with ``use_fused`` / ``use_triton_tbe``; the Triton model starts from the ``fused`` model's
+checkpoint (``state_dict``), so the run also exercises checkpoint interchange. Both train on the same
+batches; every step prints both losses, the largest embedding weight and optimizer state
+differences, and each side's time for forward + backward + optimizer.
+
+On a CPU machine it runs a small model in one gloo process (our kernels under Triton's interpreter,
+FBGEMM's CPU TBE as ``fused``: the times compare an interpreter with compiled C++, not kernels).
+With a GPU it runs a larger model on it (compiled Triton against FBGEMM's CUDA TBE, nccl).
+Exit status 1 if the two runs diverge beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import socket
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from torchrec_triton_tbe import _env
+from torchrec_triton_tbe._fbgemm import EmbOptimType
+from torchrec_triton_tbe.demo import skewed_ids
+from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
+
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise")
+OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: torch.device
+    gpu: bool
+    created_pg: bool
+
+
+def _parse(argv, gpu: bool) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20 if gpu else 8)
+    ap.add_argument("--batch-size", type=int, default=8192 if gpu else 32)
+    ap.add_argument("--num-tables", type=int, default=8 if gpu else 4, help="half SUM, half MEAN")
+    ap.add_argument("--num-embeddings", type=int, default=500_000 if gpu else 200)
+    ap.add_argument("--embedding-dim", type=int, default=128 if gpu else 16)
+    ap.add_argument("--bag-size", type=int, default=20 if gpu else 3, help="mean ids per bag")
+    ap.add_argument("--alpha", type=float, default=1.15, help="Zipf exponent of the ids (> 1)")
+    ap.add_argument("--sharding", choices=SHARDINGS, default="table_wise")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="rowwise_adagrad")
+    ap.add_argument("--learning-rate", type=float, default=0.05)
+    ap.add_argument("--index-dtype", choices=("int32", "int64"), default="int64",
+                    help="ids/offsets dtype of the KJTs and of both kernels")
+    ap.add_argument("--hoist-transpose", action="store_true", help="Triton option: sort ids in forward")
+    ap.add_argument("--fused-bounds-check", action="store_true", help="Triton option: repair ids in forward")
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def _init_process_group(gpu: bool) -> Setup:
+    created = False
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+        created = True
+    if dist.get_world_size() != 1:
+        raise SystemExit("torchrec_demo runs on one process (world size 1)")
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    return Setup(device=device, gpu=gpu, created_pg=created)
+
+
+def _tables(args):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{k}",
+            embedding_dim=args.embedding_dim,
+            # Unequal sizes, so groups and offsets are not all alike.
+            num_embeddings=args.num_embeddings // (1 + k % 3),
+            feature_names=[f"f{k}"],
+            pooling=PoolingType.SUM if k % 2 == 0 else PoolingType.MEAN,
+        )
+        for k in range(args.num_tables)
+    ]
+
+
+def _model(tables, setup: Setup, dense_in: int):
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    D = tables[0].embedding_dim
+    return DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=dense_in,
+        dense_arch_layer_sizes=[4 * D, D],
+        over_arch_layer_sizes=[4 * D, 1],
+        dense_device=setup.device,
+    )
+
+
+def _plan(model, tables, sharding: str, setup: Setup):
+    from torchrec.distributed import sharding_plan as sp
+
+    generators = {
+        "table_wise": lambda: sp.table_wise(rank=0),
+        "row_wise": lambda: sp.row_wise(),
+        "column_wise": lambda: sp.column_wise(ranks=[0, 0]),
+        "table_row_wise": lambda: sp.table_row_wise(host_index=0),
+    }
+    return sp.construct_module_sharding_plan(
+        model.sparse_arch.embedding_bag_collection,
+        {t.name: generators[sharding]() for t in tables},
+        sharder=TritonTBESharder(),
+        local_size=1,
+        world_size=1,
+        device_type=setup.device.type,
+    )
+
+
+def _dmp(tables, setup: Setup, module_plan, sharder, dense_in: int, lr: float):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dmp = DistributedModelParallel(
+        _model(tables, setup, dense_in),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=setup.device,
+        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}),
+        sharders=[sharder],
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=lr)
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _batches(tables, args, setup: Setup, dense_in: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(args.seed)
+    dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
+    out = []
+    for _ in range(args.steps):
+        lengths, values = [], []
+        for t in tables:
+            ls = torch.randint(0, 2 * args.bag_size + 1, (args.batch_size,), generator=g)
+            lengths.append(ls)
+            values.append(skewed_ids(t.num_embeddings, int(ls.sum()), args.alpha, g))
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[t.feature_names[0] for t in tables],
+            values=torch.cat(values).to(dtype),
+            lengths=torch.cat(lengths).to(dtype),
+        )
+        dense = torch.randn(args.batch_size, dense_in, generator=g)
+        labels = (torch.rand(args.batch_size, generator=g) < 0.3).float()
+        out.append((dense.to(setup.device), kjt.to(setup.device), labels.to(setup.device)))
+    return out
+
+
+def _local(t) -> torch.Tensor:
+    from torchrec.distributed.types import ShardedTensor
+
+    if isinstance(t, ShardedTensor):
+        return torch.cat([s.tensor.reshape(-1) for s in t.local_shards()])
+    return t.reshape(-1)
+
+
+def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for key in a:
+        x, y = _local(a[key]).double(), _local(b[key]).double()
+        worst = max(worst, float(((x - y).abs() / (1.0 + y.abs())).max()))
+    return worst
+
+
+def _embedding_state(dmp) -> Dict[str, torch.Tensor]:
+    return {k: v for k, v in dmp.state_dict().items() if ".embedding_bags." in k}
+
+
+def _optimizer_state(dmp) -> Dict[str, torch.Tensor]:
+    state = dmp.fused_optimizer.state_dict()["state"]
+    return {f"{p}/{k}": v for p, entries in state.items() for k, v in entries.items()}
+
+
+def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
+    dense, kjt, labels = batch
+    if setup.gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    logits = dmp(dense_features=dense, sparse_features=kjt).squeeze(-1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if setup.gpu:
+        torch.cuda.synchronize()
+    return loss.item(), (time.perf_counter() - t0) * 1e3
+
+
+def main(argv=None) -> int:
+    gpu = torch.cuda.is_available() and not _env.interpreting()
+    args = _parse(argv, gpu)
+    # TorchRec and torch deprecation chatter would bury the table.
+    for name in ("fbgemm_gpu", "torchrec", "torch.fx._symbolic_trace", None):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    setup = _init_process_group(gpu)
+    try:
+        return _run(args, setup)
+    finally:
+        if setup.created_pg:
+            dist.destroy_process_group()
+
+
+def _run(args, setup: Setup) -> int:
+    torch.manual_seed(args.seed)
+    tables = _tables(args)
+    dense_in = 13  # DLRM's Criteo dense feature count
+    index_dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
+    # TorchRec's own keys, for both kernels: ids reach them in the KJT's dtype.
+    fused_params = dict(
+        optimizer=OPTIMIZERS[args.optimizer], learning_rate=args.learning_rate, eps=1e-2,
+        embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype,
+    )
+    options = TritonTBEOptions(
+        index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check
+    )
+    sharder = TritonTBESharder(fused_params=fused_params)
+    plan = _plan(_model(tables, setup, dense_in), tables, args.sharding, setup)
+
+    fused, fused_opt = _dmp(tables, setup, use_fused(plan), sharder, dense_in, args.learning_rate)
+    ours, our_opt = _dmp(tables, setup, use_triton_tbe(plan, options=options), sharder, dense_in, args.learning_rate)
+    # The Triton model starts from the fused model's checkpoint: weights, dense layers, optimizer state.
+    result = ours.load_state_dict(copy.deepcopy(fused.state_dict()))
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint interchange failed: {result}")
+    ours.fused_optimizer.load_state_dict(copy.deepcopy(fused.fused_optimizer.state_dict()))
+    batches = _batches(tables, args, setup, dense_in)
+
+    where = ("GPU: compiled Triton vs FBGEMM CUDA TBE" if setup.gpu
+             else "CPU: Triton interpreter vs FBGEMM CPU TBE")
+    pooling = ",".join(t.pooling.name for t in tables)
+    print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}")
+    print(f"tables={len(tables)} rows<={args.num_embeddings} dim={args.embedding_dim} pooling={pooling} "
+          f"B={args.batch_size} mean L={args.bag_size} alpha={args.alpha} sharding={args.sharding} "
+          f"optimizer={args.optimizer} ids={args.index_dtype} options={options}")
+    head = (f"{'step':>4} {'loss fused':>11} {'loss triton':>11} {'max|dW|rel':>10} {'max|dS|rel':>10} "
+            f"{'ms fused':>9} {'ms triton':>9}")
+    print(head)
+    print("-" * len(head), flush=True)
+    rows: List[tuple] = []
+    worst = 0.0
+    # disable=None: the bar shows on a terminal and stays out of piped logs.
+    bar = tqdm(batches, desc="A/B steps", unit="step", leave=False, disable=None)
+    for step, batch in enumerate(bar):
+        loss_f, ms_f = _step(fused, fused_opt, batch, setup)
+        loss_o, ms_o = _step(ours, our_opt, batch, setup)
+        d_w = _max_rel_diff(_embedding_state(ours), _embedding_state(fused))
+        d_s = _max_rel_diff(_optimizer_state(ours), _optimizer_state(fused))
+        d_l = abs(loss_o - loss_f) / (1.0 + abs(loss_f))
+        worst = max(worst, d_w, d_s, d_l)
+        rows.append((ms_f, ms_o))
+        tqdm.write(f"{step:>4} {loss_f:>11.6f} {loss_o:>11.6f} {d_w:>10.2e} {d_s:>10.2e} {ms_f:>9.1f} {ms_o:>9.1f}")
+    bar.close()
+    # Step 0 includes kernel compilation / interpreter warm-up; the median ignores stray slow steps.
+    timed = rows[1:] or rows
+    med_f = statistics.median(r[0] for r in timed)
+    med_o = statistics.median(r[1] for r in timed)
+    print(f"median ms/step after step 0: fused {med_f:.1f}, triton {med_o:.1f}"
+          + ("" if setup.gpu else "  (CPU: Triton's interpreter, not kernels)"))
+    ok = worst <= args.tolerance
+    print(f"{'MATCH' if ok else 'MISMATCH'}: largest relative difference {worst:.2e} (tolerance {args.tolerance:.0e})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
