@@ -102,15 +102,17 @@ def test_one_update_per_row_not_per_lookup():
     ours, ref = make_pair([(4, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                           learning_rate=0.5, eps=1e-8)
     ours.collect_backward_stats = True
-    indices = torch.zeros(6, dtype=torch.int64)  # one bag, row 0 six times
-    offsets = torch.tensor([0, 6])
+    indices = torch.tensor([0, 0, 0, 0, 0, 0, 2])  # one bag: row 0 six times (a long run), row 2 once
+    offsets = torch.tensor([0, 7])
     grad = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
     ours(indices, offsets).backward(grad)
     out64 = ref.forward(indices, offsets)
     out64.backward(grad.double())
     ref.step()
-    assert_close(ours.split_embedding_weights()[0], ref.tables[0], "row 0", atol=1e-6, rtol=1e-6)
-    assert ours.backward_stats()["runs"] == 1
+    assert_close(ours.split_embedding_weights()[0], ref.tables[0], "rows 0 and 2", atol=1e-6, rtol=1e-6)
+    stats = ours.backward_stats()
+    assert stats["runs"] == 2
+    assert_both_paths(stats)
 
 
 @pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
@@ -123,9 +125,11 @@ def test_per_sample_weight_gradient(pooling, weights):
     g = torch.Generator().manual_seed(3)
     batch = skewed_batch([r for r, _ in specs], ftm, B=4, max_L=5, generator=g, weighted=True)
     psw = batch.per_sample_weights.clone().requires_grad_(True)
+    ours.collect_backward_stats = True
     out = ours(batch.indices, batch.offsets, psw)
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
+    assert_both_paths(ours.backward_stats())
     if oracle == "fbgemm":
         psw_ref = batch.per_sample_weights.clone().requires_grad_(True)
         other(batch.indices.clone(), batch.offsets.clone(), psw_ref).backward(grad)
@@ -140,9 +144,11 @@ def test_per_sample_weight_gradient_fp16_weights_given():
     g = torch.Generator().manual_seed(4)
     batch = skewed_batch([r for r, _ in SPECS], FTM, B=3, max_L=4, generator=g, weighted=True)
     psw = batch.per_sample_weights.half().requires_grad_(True)
+    ours.collect_backward_stats = True
     out = ours(batch.indices, batch.offsets, psw)
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
+    assert_both_paths(ours.backward_stats())
     assert psw.grad.dtype == torch.float16
     expected = ref.psw_grad(batch.indices, batch.offsets, psw.detach().float(), grad)
     assert_close(psw.grad, expected, "fp16 psw grad", **tolerance(torch.float16))
@@ -154,9 +160,11 @@ def test_feature_requires_grad_masks_psw_gradient():
     batch = skewed_batch([r for r, _ in SPECS], FTM, B=3, max_L=4, generator=g, weighted=True, min_L=1)
     psw = batch.per_sample_weights.clone().requires_grad_(True)
     mask = torch.tensor([1, 0, 1, 0])
+    ours.collect_backward_stats = True
     out = ours(batch.indices, batch.offsets, psw, mask)
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
+    assert_both_paths(ours.backward_stats())
     expected = ref.psw_grad(batch.indices, batch.offsets, batch.per_sample_weights, grad)
     B = batch.B
     for t in range(len(FTM)):
@@ -167,17 +175,21 @@ def test_feature_requires_grad_masks_psw_gradient():
 
 
 def test_stochastic_rounding_is_unbiased_and_close():
-    # fp16 weights with SR: every step's result within one fp16 ulp of the fp32 update, and the mean
-    # over many rows of (stored - exact) near zero (round-to-nearest would show no spread at all).
-    rows, D = 64, 16
+    # fp16 weights with SR: every row within one fp16 ulp of its fp32 update, and the mean of
+    # (stored - exact) over many elements near zero (round-to-nearest would show no spread at all).
+    # Row 0 is looked up 12 times (a long run), the others once (short runs).
+    rows, D, lr = 64, 16, 1e-3
     ours, ref = make_pair([(rows, D)], oracle="reference", weights_precision=SparseType.FP16,
-                          stochastic_rounding=True, learning_rate=1e-3)
-    indices = torch.arange(rows)
-    offsets = torch.arange(rows + 1)
-    grad = torch.full((rows, D), 0.3)
+                          stochastic_rounding=True, learning_rate=lr)
+    ours.collect_backward_stats = True
+    indices = torch.cat([torch.zeros(11, dtype=torch.int64), torch.arange(rows)])
+    offsets = torch.arange(indices.numel() + 1)
+    grad = torch.full((indices.numel(), D), 0.3)
     before = ours.split_embedding_weights()[0].float().clone()
     ours(indices, offsets).backward(grad)
-    exact = before - 1e-3 * 0.3
+    assert_both_paths(ours.backward_stats())
+    count = torch.bincount(indices, minlength=rows).float()
+    exact = before - lr * 0.3 * count[:, None]
     stored = ours.split_embedding_weights()[0].float()
     ulp = torch.finfo(torch.float16).eps * exact.abs().clamp(min=2**-14) * 2
     err = stored - exact
