@@ -19,13 +19,7 @@ from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops import backward as bwd_ops
 from torchrec_triton_tbe.ops import transpose as tr_ops
 
-SHAPES = {
-    "default": dict(B=512, T=32, E=100_000, D=128, L=20, alpha=1.0),
-    "uniform": dict(B=65536, T=32, E=1_000_000, D=128, L=20, alpha=1.0),
-    "zipf": dict(B=65536, T=32, E=1_000_000, D=128, L=20, alpha=1.15),
-    "short": dict(B=131072, T=8, E=10_000_000, D=128, L=4, alpha=1.0),
-    "d32": dict(B=65536, T=32, E=1_000_000, D=32, L=20, alpha=1.0),
-}
+from sweep import SHAPES  # noqa: E402  (tools/ is on sys.path when this script runs)
 
 
 def bench(fn, reps=20):
