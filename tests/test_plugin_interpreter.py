@@ -5,27 +5,16 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 
-def test_triton_imported_first_core_module():
+@pytest.mark.parametrize(
+    "imports", ["import triton; import torchrec_triton_tbe", "import torchrec; import torchrec_triton_tbe.plugin"]
+)
+def test_triton_imported_first(imports):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import triton; import torchrec_triton_tbe"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    if torch.cuda.is_available():
-        assert proc.returncode == 0, proc.stderr
-    else:
-        assert proc.returncode != 0 and "ImportError" in proc.stderr and "before torchrec" in proc.stderr
-
-
-def test_torchrec_imported_first():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import torchrec; import torchrec_triton_tbe.plugin"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = subprocess.run([sys.executable, "-c", imports], env=env, capture_output=True, text=True, timeout=300)
     if torch.cuda.is_available():
         assert proc.returncode == 0, proc.stderr  # compiled kernels: any order works
     else:

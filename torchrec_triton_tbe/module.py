@@ -258,15 +258,7 @@ class TritonTBE(nn.Module):
 
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
         """Swap tuning knobs (never changes results)."""
-        self._spec = _replace_spec(self._spec, config=load_config(self.current_device, config))
-
-    def set_bounds_options(self, fused_bounds_check: Optional[bool] = None, hoist_transpose: Optional[bool] = None):
-        changes = {}
-        if fused_bounds_check is not None:
-            changes["fused_bounds_check"] = fused_bounds_check
-        if hoist_transpose is not None:
-            changes["hoist_transpose"] = hoist_transpose
-        self._spec = _replace_spec(self._spec, **changes)
+        self._spec = dataclasses.replace(self._spec, config=load_config(self.current_device, config))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -383,6 +375,3 @@ class TritonTBE(nn.Module):
     def prefetch(self, indices, offsets, forward_stream=None, batch_size_per_feature_per_rank=None) -> None:
         """No cache to prefetch into: every table lives in device memory."""
 
-
-def _replace_spec(spec: TBESpec, **changes) -> TBESpec:
-    return dataclasses.replace(spec, **changes)

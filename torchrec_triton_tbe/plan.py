@@ -24,9 +24,6 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-# Keys of lookups outside every bag (offsets[0] > 0 is legal in FBGEMM) sort past all real keys.
-# ``sentinel_key`` is that value; it lies outside every bucket's key range, so no kernel visits it.
-
 
 def block_d(dim: int) -> int:
     """The power-of-two tile width a table of width ``dim`` is processed with."""
@@ -132,6 +129,8 @@ class TablePlan:
 
     @functools.cached_property
     def sentinel_key(self) -> int:
+        # Key of lookups outside every bag (offsets[0] > 0 is legal in FBGEMM): it sorts past all real
+        # keys and lies outside every bucket's key range, so no kernel visits it.
         return self.total_rows
 
     @functools.cached_property
