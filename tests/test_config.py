@@ -30,6 +30,8 @@ def test_knob_table_lookup():
     "patch,match",
     [
         (("forward", "gather", {"default": 3}), "forward.gather values must be powers of two"),
+        (("forward", "bag_lanes", {"default": 1, 32: 6}), "forward.bag_lanes values must be powers of two"),
+        (("forward", "bag_lanes", {"default": 0}), "forward.bag_lanes values must be powers of two"),
         (("backward", "short_threshold", 0), "short_threshold must be >= 1"),
         (("backward", "tile", {128: 4}), "needs a 'default' entry"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
@@ -70,3 +72,15 @@ def test_replace_helpers_keep_the_rest():
     other = cfg.replace_backward(short_threshold=7)
     assert isinstance(other, KernelConfig) and other.backward.short_threshold == 7
     assert other.forward == cfg.forward and other.transpose == cfg.transpose
+
+
+def test_bag_lanes_default_to_the_sequential_path(tmp_path):
+    # Configs written before the lanes mode have no bag_lanes: every width pools one bag at a time.
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    del doc["forward"]["bag_lanes"]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert load_named(str(path)).forward.bag_lanes == KnobTable(1)
+    sm90 = load_named("sm90").forward.bag_lanes
+    assert sm90.get(32) == 8 and sm90.get(64) == 4 and sm90.get(128) == 1
+    assert load_named("interpreter").forward.bag_lanes.get(16) > 1  # the CPU tests run the lanes path

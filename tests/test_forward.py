@@ -1,6 +1,8 @@
 """Pooled forward against FBGEMM's CPU TBE (and the pure-PyTorch reference where FBGEMM's CPU TBE
-lacks the combination): SUM/MEAN x weighted x weights dtype x output dtype x index dtype, mixed D,
-shared tables, empty bags."""
+lacks the combination): SUM/MEAN x weighted x weights dtype x output dtype x index dtype x bag lanes
+(1: the sequential path, 2: the interpreter's lanes path), mixed D, shared tables, empty bags; the
+lanes path against the sequential one over lanes / gather / bags, B not a multiple of the lanes, widths
+that need a column mask, and the fused bounds repair."""
 
 import itertools
 
@@ -9,6 +11,7 @@ import torch
 
 from tbe_cases import (
     DTYPE,
+    BoundsCheckMode,
     PoolingMode,
     SparseType,
     assert_close,
@@ -18,6 +21,8 @@ from tbe_cases import (
     skewed_batch,
     tolerance,
 )
+from torchrec_triton_tbe.config import KnobTable, load_named
+from torchrec_triton_tbe.ops.forward import lanes_gather
 
 SPECS = [(40, 8), (30, 12), (25, 16), (9, 4)]  # BLOCK_D buckets 4, 8 and 16; width 12 is not a power of 2
 # (FBGEMM requires D % 4 == 0; other widths are checked against the reference in test_properties.py.)
@@ -30,20 +35,27 @@ CASES = list(
         [SparseType.FP32, SparseType.FP16, SparseType.BF16],
         [SparseType.FP32, SparseType.FP16, SparseType.BF16],
         [torch.int64, torch.int32],
+        [1, 2],
     )
 )
+INTERPRETER = load_named("interpreter")
+
+
+def with_lanes(lanes: int, **changes):
+    return INTERPRETER.replace_forward(bag_lanes=KnobTable(lanes), **changes)
 
 
 @pytest.mark.parametrize(
-    "pooling,weighted,weights,output,index_dtype",
+    "pooling,weighted,weights,output,index_dtype,lanes",
     CASES,
-    ids=[f"{p.name}-{'w' if w else 'u'}-{a.name}-{b.name}-{str(i)[6:]}" for p, w, a, b, i in CASES],
+    ids=[f"{p.name}-{'w' if w else 'u'}-{a.name}-{b.name}-{str(i)[6:]}-lanes{n}" for p, w, a, b, i, n in CASES],
 )
-def test_forward_matches_oracle(pooling, weighted, weights, output, index_dtype):
+def test_forward_matches_oracle(pooling, weighted, weights, output, index_dtype, lanes):
     oracle = "fbgemm" if fbgemm_supports(weights, output, pooling, weighted, FTM) else "reference"
     ours, other = make_pair(
         SPECS, FTM, oracle=oracle, pooling_mode=pooling, weights_precision=weights, output_dtype=output,
         embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype,
+        kernel_config=with_lanes(lanes),
     )
     g = torch.Generator().manual_seed(7)
     batch = skewed_batch([r for r, _ in SPECS], FTM, B=4, max_L=5, generator=g, weighted=weighted,
@@ -98,3 +110,69 @@ def test_forward_positional_order_is_fbgemms():
     a = ours(indices, offsets, psw, None, None, None)
     b = ours(indices=indices, offsets=offsets, per_sample_weights=psw)
     assert torch.equal(a, b)
+
+
+# (bag_lanes, gather, bags_per_program): lanes wider than B, lanes with a partial last group, one-id
+# steps, several groups per program.
+LANE_KNOBS = [(2, 4, 2), (4, 1, 1), (8, 2, 1), (4, 8, 3), (16, 4, 1)]
+WIDE_SPECS = [(40, 32), (30, 20), (25, 64), (9, 12), (11, 6)]  # BLOCK_D 32, 32 (masked), 64, 16, 8
+WIDE_FTM = [0, 1, 2, 3, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "pooling,weighted,weights,index_dtype",
+    [
+        (PoolingMode.SUM, False, SparseType.FP32, torch.int64),
+        (PoolingMode.MEAN, True, SparseType.FP16, torch.int32),
+        (PoolingMode.MEAN, False, SparseType.BF16, torch.int64),
+    ],
+    ids=["sum-fp32-i64", "mean-w-fp16-i32", "mean-bf16-i64"],
+)
+def test_bag_lanes_match_sequential(pooling, weighted, weights, index_dtype):
+    kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
+              embedding_table_offset_type=index_dtype)
+    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    g = torch.Generator().manual_seed(5)
+    rows = [r for r, _ in WIDE_SPECS]
+    batches = [  # B not a multiple of the lanes; one-id bags; long bags
+        skewed_batch(rows, WIDE_FTM, B=B, max_L=L, generator=g, weighted=weighted, index_dtype=index_dtype)
+        for B, L in [(7, 6), (3, 1), (5, 11)]
+    ]
+    with torch.no_grad():
+        expected = [seq(x.indices, x.offsets, x.per_sample_weights) for x in batches]
+    for lanes, gather, bags in LANE_KNOBS:
+        cfg = with_lanes(lanes, gather=KnobTable(gather), bags_per_program=bags)
+        ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=cfg, **kw)
+        for x, e in zip(batches, expected):
+            with torch.no_grad():
+                out = ours(x.indices, x.offsets, x.per_sample_weights)
+            # Same rows per bag; only the step grouping of the sums may differ (fp32 accumulation).
+            assert_close(out, e, f"lanes {lanes} gather {gather} bags {bags} vs sequential, B={x.B}",
+                         **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+@pytest.mark.parametrize("lanes", [1, 2, 8])
+def test_bag_lanes_fused_repair(mode, lanes):
+    # Bad ids in several lanes of one group and in the last, partial group: each repaired once, in place.
+    specs, ftm = [(10, 8), (6, 12)], [0, 1]
+    ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
+                          kernel_config=with_lanes(lanes))
+    indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
+    offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
+    expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
+    idx = indices.clone()
+    out = ours(idx, offsets.clone())
+    assert torch.equal(idx, expected_ids), idx
+    assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
+                 atol=1e-6, rtol=1e-6)
+    assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
+
+
+def test_lanes_gather_follows_the_mean_bag_length():
+    # Host ints only: len(indices) / (B * T), rounded up to a power of two, never above the knob.
+    assert lanes_gather(8, num_lookups=4096, num_bags=4096) == 1  # L = 1
+    assert lanes_gather(8, num_lookups=3 * 512, num_bags=1024) == 2  # L = 1.5
+    assert lanes_gather(8, num_lookups=3 * 1024, num_bags=1024) == 4  # L = 3
+    assert lanes_gather(8, num_lookups=20 * 1024, num_bags=1024) == 8  # L = 20: the knob
+    assert lanes_gather(4, num_lookups=0, num_bags=1024) == 1  # no lookups

@@ -1,8 +1,9 @@
 """Kernel tuning knobs, loaded from ``configs/<target>.yaml``.
 
-Knobs change speed, never results: gather width, bags per program and warps for the forward; the
-short/long run threshold, the long-run chunk, gather width, warps and persistent-grid size for the
-backward. Per-``BLOCK_D`` values are looked up with :meth:`KnobTable.get` (exact key, else ``default``).
+Knobs change speed, never results: gather width, bag lanes, bags per program and warps for the
+forward; the short/long run threshold, the long-run chunk, gather width, warps and persistent-grid
+size for the backward. Per-``BLOCK_D`` values are looked up with :meth:`KnobTable.get` (exact key,
+else ``default``).
 
 Target selection (:func:`load_config`): an explicit ``KernelConfig`` or file path wins; else the
 environment variable ``TORCHREC_TRITON_TBE_CONFIG`` (a target name such as ``sm90`` or a path); else
@@ -46,9 +47,10 @@ class KnobTable:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    bags_per_program: int
-    gather: KnobTable
+    bags_per_program: int  # groups of bag_lanes bags pooled one after another per program
+    gather: KnobTable  # ids of each bag per step (by BLOCK_D)
     num_warps: KnobTable
+    bag_lanes: KnobTable = KnobTable(1)  # bags pooled side by side (by BLOCK_D); 1: one bag at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class TransposeConfig:
     bags_per_program: int  # bags linearized side by side per program
     lookups_per_step: int  # ids of each bag read per step
     num_warps: int
+
+
+# Schedules of the long-run (split-K) backward, identical in results (kernels/backward_long.py).
+LONG_PATHS = ("split", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,7 @@ class BackwardConfig:
     num_warps: KnobTable
     programs: int  # persistent grid size when programs_per_sm == 0
     programs_per_sm: int
+    long_path: str = "split"  # LONG_PATHS: two launches ("split") or one with a countdown ("fused")
 
     def grid_programs(self, device: torch.device) -> int:
         if self.programs_per_sm > 0 and device.type == "cuda":
@@ -99,6 +106,8 @@ class KernelConfig:
                 bags_per_program=int(f["bags_per_program"]),
                 gather=KnobTable.parse(f["gather"], "forward.gather"),
                 num_warps=KnobTable.parse(f["num_warps"], "forward.num_warps"),
+                # Absent in configs written before the lanes mode: the sequential path.
+                bag_lanes=KnobTable.parse(f.get("bag_lanes", 1), "forward.bag_lanes"),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -112,6 +121,7 @@ class KernelConfig:
                 num_warps=KnobTable.parse(b["num_warps"], "backward.num_warps"),
                 programs=int(b.get("programs", 0)),
                 programs_per_sm=int(b.get("programs_per_sm", 0)),
+                long_path=str(b.get("long_path", "split")),
             ),
             source=source,
         )
@@ -128,6 +138,7 @@ class KernelConfig:
         for name, table in [
             ("forward.gather", self.forward.gather),
             ("forward.num_warps", self.forward.num_warps),
+            ("forward.bag_lanes", self.forward.bag_lanes),
             ("backward.tile", self.backward.tile),
             ("backward.num_warps", self.backward.num_warps),
         ]:
@@ -145,6 +156,8 @@ class KernelConfig:
             problems.append("backward.short_threshold must be >= 1")
         if self.backward.long_chunk < 1:
             problems.append("backward.long_chunk must be >= 1")
+        if self.backward.long_path not in LONG_PATHS:
+            problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:
             raise ValueError(f"invalid kernel config {self.source or self.target}: " + "; ".join(problems))
 

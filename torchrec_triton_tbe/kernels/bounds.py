@@ -30,6 +30,16 @@ def repair_indices(idx_ptrs, idx, lmask, num_rows):
 
 
 @triton.jit
+def repair_index_tile(idx_ptrs, idx, lmask, num_rows):
+    """repair_indices for a [LANES, GATHER] tile of ids (the forward's bag lanes): same repair and
+    write-back; the count is reduced over both axes so callers carry one scalar, as in the 1-D case."""
+    bad = lmask & ((idx < 0) | (idx >= num_rows))
+    idx = tl.where(bad, 0, idx)
+    tl.store(idx_ptrs, idx, mask=bad)
+    return idx, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
 def _check_indices_kernel(
     indices_ptr,
     offsets_ptr,

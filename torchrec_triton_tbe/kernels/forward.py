@@ -4,14 +4,22 @@ Byte accounting per lookup (weights of E bytes/element, D wide, output of O byte
     read  D*E (the row) + idx bytes (4 or 8) [+ 4 psw]
 per bag: read 2 offsets; write D*O.
 The row reads dominate (FBGEMM's byte model counts rows + outputs only), so the kernel's job is to
-keep enough independent row loads in flight: GATHER rows per iteration, each a [GATHER, BLOCK_D]
-tile whose addresses depend on one index load.
+keep enough independent row loads in flight behind the dependent chain offsets -> ids -> rows.
+
+LANES == 1 (sequential): BAGS bags one after another, GATHER rows per step, a [GATHER, BLOCK_D] tile
+    whose addresses depend on one index load: GATHER*D*E bytes in flight (256 B for D=32 fp16, GATHER=8),
+    too little to cover the latency of narrow rows.
+LANES > 1 (bag lanes): LANES bags side by side, GATHER rows of each per step, a [LANES, GATHER, BLOCK_D]
+    tile behind one [LANES, GATHER] index load: LANES*GATHER*D*E bytes in flight. Per step the ids read
+    are LANES*GATHER*(4 or 8) bytes (masked past each bag's end, so no extra traffic); per LANES bags
+    2*LANES offsets and one [LANES, D] output tile. A group takes ceil(max L / GATHER) steps, so its
+    cost follows its longest bag (the host shrinks GATHER for short bags, ops/forward.py).
 """
 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_index_tile, repair_indices
 from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
 
 
@@ -39,9 +47,11 @@ def _pooled_forward_kernel(
     BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr,
     BAGS: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     """
-    One program = BAGS consecutive bags of one feature of this D bucket (grid: [cdiv(B, BAGS), T_k]).
+    One program = BAGS * LANES consecutive bags of one feature of this D bucket
+    (grid: [cdiv(B, BAGS * LANES), T_k]): BAGS groups in turn, the LANES bags of a group side by side.
 
     weights_ptr: flat weights of all tables, fp32/fp16/bf16; table rows start at
         feature_weight_offset[t] (int64 elements) with row stride D_t.
@@ -56,6 +66,7 @@ def _pooled_forward_kernel(
     EVEN_D: every feature of the bucket has D == BLOCK_D, so no column mask is needed.
     ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
         emit 16-byte vector loads although D is only known at run time.
+    LANES: bags pooled side by side (1: one bag at a time, the sequential path).
     """
     pid_b = tl.program_id(0)
     t = tl.load(bucket_features_ptr + tl.program_id(1))
@@ -70,34 +81,78 @@ def _pooled_forward_kernel(
     g = tl.arange(0, GATHER)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     repaired = tl.full([], 0, tl.int32)
-    for bb in tl.static_range(BAGS):
-        b = pid_b * BAGS + bb
-        if b < B:
-            bag, start, end = bag_bounds(offsets_ptr, t, b, B)
-            acc = tl.zeros([BLOCK_D], dtype=acc_ty)
-            for j in range(start, end, GATHER):
-                lmask = (j + g) < end
-                idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
-                if BOUNDS_MODE != REPAIR_OFF:
-                    idx, nbad = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
-                    repaired += nbad
-                row = tl.multiple_of(w_base + idx.to(tl.int64) * D, ALIGN)
-                tile = tl.load(
-                    weights_ptr + row[:, None] + cols[None, :],
-                    mask=lmask[:, None] & cmask[None, :],
-                    other=0.0,
-                ).to(acc_ty)
-                if WEIGHTED:
-                    psw = tl.load(psw_ptr + j + g, mask=lmask, other=0.0).to(acc_ty)
-                    tile = tile * psw[:, None]
-                acc += tl.sum(tile, axis=0)
-            if POOLING_MEAN:
-                # FBGEMM: an empty bag pools to zero in every mode.
+    if LANES == 1:
+        for bb in tl.static_range(BAGS):
+            b = pid_b * BAGS + bb
+            if b < B:
+                bag, start, end = bag_bounds(offsets_ptr, t, b, B)
+                acc = tl.zeros([BLOCK_D], dtype=acc_ty)
+                for j in range(start, end, GATHER):
+                    lmask = (j + g) < end
+                    idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
+                    if BOUNDS_MODE != REPAIR_OFF:
+                        idx, nbad = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
+                        repaired += nbad
+                    row = tl.multiple_of(w_base + idx.to(tl.int64) * D, ALIGN)
+                    tile = tl.load(
+                        weights_ptr + row[:, None] + cols[None, :],
+                        mask=lmask[:, None] & cmask[None, :],
+                        other=0.0,
+                    ).to(acc_ty)
+                    if WEIGHTED:
+                        psw = tl.load(psw_ptr + j + g, mask=lmask, other=0.0).to(acc_ty)
+                        tile = tile * psw[:, None]
+                    acc += tl.sum(tile, axis=0)
+                if POOLING_MEAN:
+                    # FBGEMM: an empty bag pools to zero in every mode.
+                    n = end - start
+                    acc = tl.where(n > 0, acc / tl.maximum(n, 1).to(acc_ty), 0.0)
+                out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+                # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
+                tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        lanes = tl.arange(0, LANES)
+        for bb in tl.static_range(BAGS):
+            b0 = (pid_b * BAGS + bb) * LANES
+            if b0 < B:
+                b = b0 + lanes
+                live = b < B
+                bag = t.to(tl.int64) * B + b
+                start = tl.load(offsets_ptr + bag, mask=live, other=0).to(tl.int64)
+                end = tl.load(offsets_ptr + bag + 1, mask=live, other=0).to(tl.int64)
                 n = end - start
-                acc = tl.where(n > 0, acc / tl.maximum(n, 1).to(acc_ty), 0.0)
-            out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
-            # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
-            tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=cmask)
+                acc = tl.zeros([LANES, BLOCK_D], dtype=acc_ty)
+                # One step loads GATHER ids of every lane, then all their rows: the lanes' row loads
+                # are independent, so one dependent id -> row step covers LANES times the bytes.
+                for j in range(0, tl.max(n, axis=0), GATHER):
+                    pos = start[:, None] + (j + g)[None, :]
+                    lmask = pos < end[:, None]
+                    idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
+                    if BOUNDS_MODE != REPAIR_OFF:
+                        idx, nbad = repair_index_tile(indices_ptr + pos, idx, lmask, num_rows)
+                        repaired += nbad
+                    row = tl.multiple_of(w_base + idx.to(tl.int64) * D, [ALIGN, ALIGN])
+                    tile = tl.load(
+                        weights_ptr + row[:, :, None] + cols[None, None, :],
+                        mask=lmask[:, :, None] & cmask[None, None, :],
+                        other=0.0,
+                    ).to(acc_ty)
+                    if WEIGHTED:
+                        psw = tl.load(psw_ptr + pos, mask=lmask, other=0.0).to(acc_ty)
+                        tile = tile * psw[:, :, None]
+                    # Each lane adds the same GATHER rows per step as the sequential path (same
+                    # grouping; the order inside a step is the compiler's reduction tree either way).
+                    acc += tl.sum(tile, axis=1)
+                if POOLING_MEAN:
+                    # FBGEMM: an empty bag pools to zero in every mode.
+                    acc = tl.where((n > 0)[:, None], acc / tl.maximum(n, 1).to(acc_ty)[:, None], 0.0)
+                out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+                # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
+                tl.store(
+                    out_ptr + out_row[:, None] + cols[None, :],
+                    acc.to(tl.float32).to(out_ptr.dtype.element_ty),
+                    mask=live[:, None] & cmask[None, :],
+                )
     if BOUNDS_MODE == REPAIR_COUNT:
         if repaired > 0:
             tl.atomic_add(warning_ptr, repaired.to(tl.int64))

@@ -1,4 +1,4 @@
-"""Launch the pooled forward: one launch per D bucket, grid [cdiv(B, bags_per_program), T_k]."""
+"""Launch the pooled forward: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ def fused_repair_mode(spec: TBESpec) -> int:
     return {Bounds.WARNING: REPAIR_COUNT, Bounds.IGNORE: REPAIR_SILENT}.get(spec.bounds, REPAIR_OFF)
 
 
+def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
+    """GATHER for the bag-lanes path: the configured width, shrunk to the smallest power of two at least
+    the mean bag length when bags are shorter. Every lane of a step occupies GATHER id slots whether its
+    bag has ids there or not, so with L=1 bags and GATHER=8 seven eighths of each [LANES, GATHER, D]
+    tile would be masked work and registers; the mean comes from host ints (len(indices), B*T), never
+    from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
+    the sums changes (fp rounding)."""
+    mean = -(-num_lookups // max(num_bags, 1))  # ceil
+    return min(gather, triton.next_power_of_2(max(mean, 1)))
+
+
 def pooled_forward(
     spec: TBESpec,
     weights: torch.Tensor,
@@ -40,8 +51,11 @@ def pooled_forward(
             continue
         if len(bucket.features) > MAX_GRID_Y:
             raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
-        bags = cfg.bags_per_program
-        _pooled_forward_kernel[(triton.cdiv(B, bags), len(bucket.features))](
+        bd, bags = bucket.block_d, cfg.bags_per_program
+        lanes, gather = cfg.bag_lanes.get(bd), cfg.gather.get(bd)
+        if lanes > 1:
+            gather = lanes_gather(gather, indices.numel(), B * plan.num_features)
+        _pooled_forward_kernel[(triton.cdiv(B, bags * lanes), len(bucket.features))](
             weights,
             indices,
             offsets,
@@ -61,9 +75,10 @@ def pooled_forward(
             ACC_FP64=spec.weights_dtype == torch.float32,
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
-            BLOCK_D=bucket.block_d,
-            GATHER=cfg.gather.get(bucket.block_d),
+            BLOCK_D=bd,
+            GATHER=gather,
             BAGS=bags,
-            num_warps=tile_warps(cfg.num_warps.get(bucket.block_d), cfg.gather.get(bucket.block_d) * bucket.block_d),
+            LANES=lanes,
+            num_warps=tile_warps(cfg.num_warps.get(bd), lanes * gather * bd),
         )
     return out
