@@ -19,6 +19,8 @@ ROUTINGS = {
     "chunk-1": BASE.replace_backward(short_threshold=1, long_chunk=1),
     "wide-tile": BASE.replace_backward(short_threshold=6, long_chunk=5, tile=KnobTable(8), programs=3),
     "forward-knobs": BASE.replace_forward(bags_per_program=1, gather=KnobTable(1)),
+    "mixed-fused-long": BASE.replace_backward(short_threshold=4, long_chunk=3, long_path="fused"),
+    "all-long-fused": BASE.replace_backward(short_threshold=1, long_chunk=4, long_path="fused", programs=3),
 }
 
 
@@ -49,6 +51,11 @@ def test_routing_sweep_gives_the_same_result(pooling, weighted):
         for t, (a, b) in enumerate(zip(m.split_embedding_weights(), ref.split_embedding_weights())):
             assert_close(a, b, f"{name}: table {t}", atol=2e-6, rtol=2e-6)
         assert_close(m.momentum1, ref.momentum1, f"{name}: momentum", atol=1e-6, rtol=1e-5)
+    # The fused long path reduces each run's partials in the same (chunk) order as the split one.
+    for fused, split in [("mixed-fused-long", "mixed")]:
+        for a, b in zip(results[fused][0].split_embedding_weights(), results[split][0].split_embedding_weights()):
+            assert torch.equal(a, b), fused
+        assert torch.equal(results[fused][0].momentum1, results[split][0].momentum1), fused
 
 
 @pytest.mark.parametrize("weights", [SparseType.FP32, SparseType.FP16])

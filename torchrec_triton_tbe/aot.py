@@ -6,13 +6,15 @@ How the specializations are found: the module itself is driven (forward + backwa
 over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, both
 optimizers, stochastic rounding, every bounds-check mode with and without the fused check, the
 transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 to 2048 with and
-without padding — while ``JITFunction.run`` is replaced by a recorder. Each launch yields one
-specialization: kernel, argument types, constexpr values and num_warps (what Triton compiles on).
+without padding, plus a forward on bags as long as the widest gather knob — while
+``JITFunction.run`` is replaced by a recorder. Each launch yields one specialization: kernel,
+argument types, constexpr values and num_warps (what Triton compiles on).
 
-What is compiled: by default a covering set — every kernel with every value of every argument type,
-constexpr and num_warps at least once (about a hundred specializations per target), with the module
-driven over the full product of its dtype/pooling/optimizer/rounding options and a rotating slice of
-the bounds/fused/hoist/index/psw options. ``--full`` drives the full option product and compiles every
+What is compiled: by default a covering set — every kernel (the forward's bag-lanes body counted as a
+kernel of its own) with every value of every argument type, constexpr and num_warps at least once
+(about a hundred specializations per target), with the module driven over the full product of its
+dtype/pooling/optimizer/rounding options and a rotating slice of the bounds/fused/hoist/index/psw
+options. ``--full`` drives the full option product and compiles every
 distinct specialization recorded (about twenty thousand; many hours on two cores).
 """
 
@@ -105,12 +107,21 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
     """Run forward + backward of the module under every option combination, recording launches.
     ``kernel_config`` (a target name such as "sm90") sets the knobs the launches use."""
     from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+    from torchrec_triton_tbe.config import LONG_PATHS, load_config
     from torchrec_triton_tbe.module import TritonTBE
 
     dtypes = [SparseType.FP32, SparseType.FP16, SparseType.BF16]
     optims = [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
     bounds = [BoundsCheckMode.FATAL, BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE, BoundsCheckMode.NONE]
     psw_dtypes = [None, torch.float32, torch.float16, torch.bfloat16]
+    # The forward's lanes path shrinks GATHER to the mean bag length (ops/forward.lanes_gather), so the
+    # short bags below would never record the configured widths: a second, forward-only batch has bags
+    # as long as the widest gather knob.
+    base = load_config(torch.device("cpu"), kernel_config)
+    fwd_gather = base.forward.gather
+    # Both long-path schedules are shipped (config backward.long_path): alternate them over the options.
+    long_paths = [base.replace_backward(long_path=p) for p in LONG_PATHS]
+    long_L = max([fwd_gather.default] + [v for _, v in fwd_gather.by_block_d])
     with recording() as seen:
         for layout in _layouts():
             T = len(layout)
@@ -119,6 +130,8 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
             offsets = torch.zeros(T * B + 1, dtype=torch.int64)
             offsets[1:] = lengths.cumsum(0)
             indices = torch.tensor([0, 1, 2] * (T * B // 2), dtype=torch.int64)
+            long_offsets = torch.arange(T * B + 1, dtype=torch.int64) * long_L
+            long_indices = torch.arange(T * B * long_L, dtype=torch.int64) % 3
             outer = list(
                 itertools.product(dtypes, dtypes, optims, [PoolingMode.SUM, PoolingMode.MEAN], [False, True])
             )
@@ -129,7 +142,7 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                 # Every option pair of the outer product meets a rotating slice of the inner one (the
                 # whole of it at i == 0); ``exhaustive`` runs the full product instead.
                 mine = inner if exhaustive or i == 0 else [inner[(i * 7 + j) % len(inner)] for j in range(8)]
-                for bc, fused, hoist, idx_t, psw_t in mine:
+                for j, (bc, fused, hoist, idx_t, psw_t) in enumerate(mine):
                     m = TritonTBE(
                         layout,
                         weights_precision=wp,
@@ -142,7 +155,7 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                         fused_bounds_check=fused,
                         hoist_transpose=hoist,
                         embedding_table_index_type=idx_t,
-                        kernel_config=kernel_config,
+                        kernel_config=long_paths[(i + j) % len(long_paths)],
                     )
                     psw = None if psw_t is None else torch.ones(indices.numel(), dtype=psw_t, requires_grad=True)
                     try:
@@ -150,14 +163,29 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                     except ValueError:
                         continue  # FATAL reads uninitialised kernel outputs while recording
                     out.backward(torch.ones_like(out))
+                    long_psw = None if psw_t is None else torch.ones(long_indices.numel(), dtype=psw_t)
+                    try:
+                        with torch.no_grad():
+                            m(long_indices.clone(), long_offsets.clone(), long_psw)
+                    except ValueError:
+                        continue  # as above
     return seen
 
 
+def _code_path(name: str, consts: tuple) -> str:
+    """The forward's bag-lanes mode (LANES > 1) is a second body of the same kernel behind a constexpr:
+    covered as a kernel of its own, so each of its options is compiled on the lanes path too."""
+    if name == "_pooled_forward_kernel" and dict(consts).get("LANES", 1) > 1:
+        return name + "[lanes]"
+    return name
+
+
 def covering_set(seen: dict) -> list:
-    """Specializations such that every (kernel, axis, value) recorded appears at least once."""
+    """Specializations such that every (kernel path, axis, value) recorded appears at least once."""
     chosen, covered = [], set()
     for key, spec in sorted(seen.items(), key=lambda kv: repr(kv[0])):
         name, sig, consts, _divisible, warps = key
+        name = _code_path(name, consts)
         items = {(name, "sig", a, t) for a, t in sig} | {(name, "const", a, repr(v)) for a, v in consts}
         items.add((name, "num_warps", warps))
         if not items <= covered:

@@ -164,3 +164,35 @@ def test_backward_is_bitwise_deterministic():
         results.append([w.clone() for w in m.split_embedding_weights()] + [m.momentum1.clone()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_long_paths_are_bitwise_identical_and_sync_free():
+    """The fused long path (acquire-release countdown, last chunk applies) against the split one, with
+    a low threshold and small chunks so most lookups are in long runs of many chunks."""
+    from torchrec_triton_tbe.config import load_config
+
+    results = []
+    for long_path in ("split", "fused", "fused"):
+        cfg = load_config(DEV).replace_backward(short_threshold=16, long_chunk=8, long_path=long_path)
+        m = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                      kernel_config=cfg)
+        m.collect_backward_stats = long_path == "split"
+        torch.manual_seed(0)
+        m.init_embedding_weights_uniform(-0.5, 0.5)
+        for step in range(3):
+            idx, off, psw = batch(step, weighted=step == 1)
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = m(idx, off, psw)
+                out.backward(torch.ones_like(out))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if long_path == "split":
+            stats = m.backward_stats()
+            assert stats["long_chunks"] > stats["long_runs"] > 0, stats
+        results.append([w.clone() for w in m.split_embedding_weights()] + [m.momentum1.clone()])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)

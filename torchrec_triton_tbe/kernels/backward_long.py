@@ -3,6 +3,11 @@ one program reduces one chunk (TILE slots per step) into its own row of a fp32 p
 (plain store, no atomics); then an apply pass reduces each run's partials in chunk order and applies
 the optimizer once. Deterministic: the reduction order depends only on the data, never on scheduling.
 
+Two schedules of the same arithmetic (config `backward.long_path`): "split" (the partials kernel,
+then the apply kernel, ordered by the stream) and "fused" (one launch; the last chunk of a run to
+finish applies it, found with an acquire-release counter). Both reduce a run's partials in chunk
+order, so they give identical bits; which is faster is measured per target (configs/).
+
 Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
 per long run one row read + written and 8 B of row-wise state.
 """
@@ -126,6 +131,105 @@ def _backward_long_apply_kernel(
             grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
             for k in range(first_chunk, last_chunk):
                 grad += tl.load(partials_ptr + k * partial_stride + cols[None, :], mask=cmask, other=0.0)
+            w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
+            w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
+            apply_rows_update(
+                w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
+                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
+            )
+
+
+@triton.jit
+def _backward_long_fused_kernel(
+    weights_ptr,
+    momentum_ptr,
+    lr_ptr,
+    seed_ptr,
+    partials_ptr,
+    counters_ptr,
+    grad_out_ptr,
+    sorted_keys_ptr,
+    sorted_bags_ptr,
+    sorted_psw_ptr,
+    offsets_ptr,
+    run_start_ptr,
+    chunk_run_ptr,
+    run_chunk_begin_ptr,
+    bucket_chunk_bounds_ptr,
+    feature_out_offset_ptr,
+    feature_key_offset_ptr,
+    feature_weight_offset_ptr,
+    feature_row_offset_ptr,
+    feature_dim_ptr,
+    bucket,
+    B,
+    total_D,
+    chunk,
+    partial_stride,
+    eps,
+    NPROG,
+    OPTIM: tl.constexpr,
+    SR_DROP_BITS: tl.constexpr,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """The two passes above in one launch: each chunk stores its partial, then counts itself done on
+    its run's counter (counters_ptr[first chunk of the run], zeroed by the host) with acquire-release
+    semantics; the chunk that completes the count sees every other partial (their stores happen
+    before their releases) and reduces them in chunk order, so the result is the same, bit for bit,
+    as the two-pass path's whoever finishes last. The only atomics are the counters: values are never
+    accumulated atomically.
+    """
+    pid = tl.program_id(0)
+    lr = tl.load(lr_ptr)
+    seed = tl.load(seed_ptr)
+    cols = tl.arange(0, BLOCK_D)
+    lanes = tl.arange(0, TILE)
+    one = tl.arange(0, 1)
+    c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
+    c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
+    for c in range(c_begin + pid, c_end, NPROG):
+        r = tl.load(chunk_run_ptr + c)
+        first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+        last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
+        run_s = tl.load(run_start_ptr + r).to(tl.int64)
+        s = run_s + (c - first_chunk) * chunk
+        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+        partial = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j0 in range(s, e, TILE):
+            k = j0 + lanes
+            g, t_chunk, m_chunk = gather_rows(
+                grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
+                k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            )
+            partial += tl.sum(g, axis=0)
+        tl.store(partials_ptr + c * partial_stride + cols, partial)
+        # Every thread's part of the partial is stored before the one thread holding the counter
+        # releases it (the barrier orders them; the release is cumulative over what it has seen).
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + first_chunk, 1, sem="acq_rel")
+        if done == last_chunk - first_chunk - 1:
+            rmask = one == 0
+            s1 = run_s + one  # [1]: a one-row tile
+            t = tl.load(sorted_bags_ptr + s1) // B
+            w_row, state_row, D = locate_rows(
+                sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
+                feature_dim_ptr, s1, t, rmask, ALIGN,
+            )
+            if EVEN_D:
+                cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
+            else:
+                cmask = rmask[:, None] & (cols[None, :] < D[:, None])
+            grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+            for kc in range(first_chunk, last_chunk):
+                # .cg: read the other programs' partials from L2, never from a stale L1 line.
+                grad += tl.load(
+                    partials_ptr + kc * partial_stride + cols[None, :], mask=cmask, other=0.0, cache_modifier=".cg"
+                )
             w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
             w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
             apply_rows_update(

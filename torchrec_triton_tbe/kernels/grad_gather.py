@@ -36,6 +36,34 @@ def gather_rows(
     scale * grad_out[b, out_offset[t] + cols] with scale = psw (weighted) / bag length (MEAN); t [S]
     the feature of each slot; cmask [S, BLOCK_D] the live elements."""
     bag = tl.load(sorted_bags_ptr + k, mask=m, other=0)
+    psw = bag  # unused unless WEIGHTED
+    if WEIGHTED:
+        psw = tl.load(sorted_psw_ptr + k, mask=m, other=0.0)
+    return gather_bag_rows(
+        grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, m, B, total_D, cols,
+        POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+    )
+
+
+@triton.jit
+def gather_bag_rows(
+    grad_out_ptr,
+    bag,
+    psw,
+    offsets_ptr,
+    feature_out_offset_ptr,
+    feature_dim_ptr,
+    m,
+    B,
+    total_D,
+    cols,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """gather_rows for bag ids (and per-sample weights) already loaded, e.g. prefetched."""
     t = bag // B
     b = bag - t * B
     o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
@@ -50,9 +78,9 @@ def gather_rows(
     row = ((b.to(tl.int64) * total_D + o_col) // ALIGN) * ALIGN
     go = tl.load(grad_out_ptr + row[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
     if WEIGHTED or POOLING_MEAN:
-        scale = tl.full(k.shape, 1.0, tl.float32)
+        scale = tl.full(bag.shape, 1.0, tl.float32)
         if WEIGHTED:
-            scale = tl.load(sorted_psw_ptr + k, mask=m, other=0.0)
+            scale = tl.where(m, psw, 0.0)
         if POOLING_MEAN:
             bag64 = bag.to(tl.int64)
             L = tl.load(offsets_ptr + bag64 + 1, mask=m, other=1) - tl.load(offsets_ptr + bag64, mask=m, other=0)
@@ -74,8 +102,25 @@ def locate_rows(
     ALIGN: tl.constexpr,
 ):
     """For slots k of features t: (row start in the flat weights, per-row optimizer state index, D)."""
-    key = tl.load(sorted_keys_ptr + k, mask=m, other=0).to(tl.int64)
-    row = key - tl.load(feature_key_offset_ptr + t, mask=m, other=0)
+    key = tl.load(sorted_keys_ptr + k, mask=m, other=0)
+    return locate_key_rows(
+        key, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr, t, m, ALIGN
+    )
+
+
+@triton.jit
+def locate_key_rows(
+    key,
+    feature_key_offset_ptr,
+    feature_weight_offset_ptr,
+    feature_row_offset_ptr,
+    feature_dim_ptr,
+    t,
+    m,
+    ALIGN: tl.constexpr,
+):
+    """locate_rows for keys already loaded."""
+    row = key.to(tl.int64) - tl.load(feature_key_offset_ptr + t, mask=m, other=0)
     D = (tl.load(feature_dim_ptr + t, mask=m, other=ALIGN) // ALIGN) * ALIGN
     w_row = ((tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D) // ALIGN) * ALIGN
     state_row = tl.load(feature_row_offset_ptr + t, mask=m, other=0) + row

@@ -16,7 +16,11 @@ import torch
 import triton
 
 from torchrec_triton_tbe.config import tile_warps
-from torchrec_triton_tbe.kernels.backward_long import _backward_long_apply_kernel, _backward_long_partials_kernel
+from torchrec_triton_tbe.kernels.backward_long import (
+    _backward_long_apply_kernel,
+    _backward_long_fused_kernel,
+    _backward_long_partials_kernel,
+)
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops.spec import TBESpec
@@ -97,6 +101,9 @@ def fused_update(
     # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated per batch (the caching
     # allocator makes this free in steady state) and never read past the live chunks.
     partials = torch.empty(runs.max_chunks * partial_stride, dtype=torch.float32, device=grad_out.device)
+    fused_long = bcfg.long_path == "fused"
+    # One countdown per long run (indexed by its first chunk, unique across buckets).
+    counters = torch.zeros(runs.max_chunks if fused_long else 0, dtype=torch.int32, device=grad_out.device)
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
             continue
@@ -142,6 +149,38 @@ def fused_update(
             **update,
             **common,
         )
+        if fused_long:
+            _backward_long_fused_kernel[(nprog,)](
+                state.weights,
+                momentum,
+                state.learning_rate,
+                state.step,
+                partials,
+                counters,
+                grad_out,
+                runs.sorted_keys,
+                runs.sorted_bags,
+                sorted_psw,
+                offsets,
+                runs.run_start,
+                runs.chunk_run,
+                runs.run_chunk_begin,
+                runs.bucket_chunk_bounds,
+                *layout,
+                k,
+                B,
+                plan.total_D,
+                runs.chunk,
+                partial_stride,
+                state.eps,
+                nprog,
+                POOLING_MEAN=spec.pooling_mean,
+                WEIGHTED=weighted,
+                TILE=tile,
+                **update,
+                **common,
+            )
+            continue
         _backward_long_partials_kernel[(nprog,)](
             partials,
             grad_out,
