@@ -1,11 +1,13 @@
 """Sweep the kernel knobs of configs/<target>.yaml on the GPU and report (optionally write) the best.
 
-    python tools/sweep.py --target sm90 [--part fwd,bwd] [--shapes uniform,zipf] [--write] [--json out.json]
+    python tools/sweep.py --target sm90 [--part fwd,bwd,route] [--shapes uniform,zipf] [--write] [--json out.json]
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
-the forward over the forward grid (bags_per_program x gather x num_warps at that shape's BLOCK_D) and
-the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm, plus the
-short/long threshold and chunk), each the median of CUDA-event timings after a warm-up. The winner
+the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D) and
+the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm), and
+(part ``route``) run metadata + fused update over the short/long threshold, the long chunk and the
+long-path schedule (split / fused), each the median of CUDA-event timings after a warm-up
+(``triton.testing.do_bench``, which clears L2 between calls). The winner
 of each knob is the configuration with the smallest total time over the swept shapes; ``--write``
 stores it into configs/<target>.yaml (and marks it tuned). Knobs change speed, never results; the CPU
 test suite proves that for every knob (tests/test_routing.py).
@@ -37,10 +39,11 @@ SHAPES = {
     "default": dict(B=512, T=32, E=100_000, D=128, L=20, alpha=1.0),
     "d32": dict(B=65536, T=32, E=1_000_000, D=32, L=20, alpha=1.0),
     "d64": dict(B=65536, T=32, E=1_000_000, D=64, L=20, alpha=1.15),
+    "hot": dict(B=131072, T=32, E=1_000_000, D=128, L=1, alpha=1.5),  # most lookups in runs >= 256
 }
-FWD_GRID = dict(bags_per_program=[1, 2, 4], gather=[2, 4, 8], num_warps=[1, 2, 4])
-BWD_GRID = dict(tile=[8, 16], num_warps=[2, 4], programs_per_sm=[16, 32])
-ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[256, 1024])
+FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
+BWD_GRID = dict(tile=[4, 8, 16], num_warps=[1, 2, 4], programs_per_sm=[8, 16, 32])
+ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[64, 256, 1024], long_path=["split", "fused"])
 
 
 def median_ms(fn) -> float:
@@ -78,21 +81,24 @@ def main() -> None:
         idx, off = req.indices.to(dev), req.offsets.to(dev)
         grad = torch.randn(B, T * D, device=dev)
         if "fwd" in parts:
-            for bags, gather, warps in itertools.product(*FWD_GRID.values()):
+            for bags, gather, warps, lanes in itertools.product(*FWD_GRID.values()):
                 cfg = base.replace_forward(
                     bags_per_program=bags,
                     gather=with_table(base.forward.gather, bd, gather),
                     num_warps=with_table(base.forward.num_warps, bd, warps),
+                    bag_lanes=with_table(base.forward.bag_lanes, bd, lanes),
                 )
                 m.set_kernel_config(cfg)
                 try:
                     with torch.no_grad():
                         t = median_ms(lambda: m(idx, off))
                 except Exception as e:  # noqa: BLE001 - a knob value the compiler rejects is skipped, not fatal
-                    print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps}: FAILED {str(e)[:120]}")
+                    print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps} lanes={lanes}: "
+                          f"FAILED {str(e)[:120]}")
                     continue
-                results["fwd"].setdefault((bags, gather, warps), {})[name] = t
-                print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps}: {t:.3f} ms", flush=True)
+                results["fwd"].setdefault((bags, gather, warps, lanes), {})[name] = t
+                print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps} lanes={lanes}: {t:.3f} ms",
+                      flush=True)
         if "bwd" in parts:
             state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
             for tile, warps, pps in itertools.product(*BWD_GRID.values()):
@@ -110,6 +116,24 @@ def main() -> None:
                     continue
                 results["bwd"].setdefault((tile, warps, pps), {})[name] = t
                 print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps}: {t:.3f} ms", flush=True)
+        if "route" in parts:
+            # Routing moves work between the run-metadata pass and the kernels: time both.
+            state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
+            for threshold, chunk, long_path in itertools.product(*ROUTE_GRID.values()):
+                cfg = base.replace_backward(short_threshold=threshold, long_chunk=chunk, long_path=long_path)
+                spec = dataclasses.replace(m.spec, config=cfg)
+
+                def step():
+                    runs = tr_ops.build_runs(spec, idx, off, B)
+                    bwd_ops.fused_update(spec, state, runs, grad, off, None, B)
+
+                try:
+                    t = median_ms(step)
+                except Exception as e:  # noqa: BLE001 - a knob value the compiler rejects is skipped, not fatal
+                    print(f"route {name:8s} threshold={threshold} chunk={chunk} {long_path}: FAILED {str(e)[:120]}")
+                    continue
+                results["route"].setdefault((threshold, chunk, long_path), {})[name] = t
+                print(f"route {name:8s} threshold={threshold} chunk={chunk} {long_path}: {t:.3f} ms", flush=True)
     best = {}
     for part, table in results.items():
         if table:
@@ -124,15 +148,24 @@ def main() -> None:
         doc = yaml.safe_load(path.read_text())
         bd = triton.next_power_of_2(SHAPES[args.shapes.split(",")[0]]["D"])
         if "fwd" in best:
-            bags, gather, warps = best["fwd"][0]
+            bags, gather, warps, lanes = best["fwd"][0]
             doc["forward"]["bags_per_program"] = bags
             doc["forward"]["gather"][bd] = gather
             doc["forward"]["num_warps"][bd] = warps
+            # A config from before the lanes mode has no table (or a bare int): start one from its default.
+            old_lanes = doc["forward"].get("bag_lanes", 1)
+            doc["forward"]["bag_lanes"] = {"default": old_lanes} if isinstance(old_lanes, int) else old_lanes
+            doc["forward"]["bag_lanes"][bd] = lanes
         if "bwd" in best:
             tile, warps, pps = best["bwd"][0]
             doc["backward"]["tile"][bd] = tile
             doc["backward"]["num_warps"][bd] = warps
             doc["backward"]["programs_per_sm"] = pps
+        if "route" in best:
+            threshold, chunk, long_path = best["route"][0]
+            doc["backward"]["short_threshold"] = threshold
+            doc["backward"]["long_chunk"] = chunk
+            doc["backward"]["long_path"] = long_path
         doc["tuned"] = True
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         print(f"wrote {path}")

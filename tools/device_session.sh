@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device session, in steps that each fit one 10-minute device call (run after the two staging
+# transfers of ../shared/tools/stage-fbgemm-gpu; see docs/performance.md):
+#   checks      tests/gpu, the TorchRec A/B demo on the GPU, a stage profile (tools/device_checks.sh)
+#   sweep-bwd   backward knobs (tile/warps/grid on uniform+zipf, then routing on hot+zipf), tests/gpu
+#   sweep-fwd   forward knobs on the narrow shapes, then a stage profile
+#   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
+# Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
+# every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
+# warm, so the suite runs with the swept knobs (commit that file afterwards). The device copy has no
+# .git: pass TORCHREC_TRITON_TBE_GIT_COMMIT=<sha> for the suite's JSON.
+set -o pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -f /tmp/sm90_swept.yaml ] && cp /tmp/sm90_swept.yaml configs/sm90.yaml
+keep() { cp configs/sm90.yaml /tmp/sm90_swept.yaml; cp configs/sm90.yaml "$OUT/sm90.yaml"; }
+quiet() { grep -v "_fbgemm_torch_compat_table\|cannot determine compat\|^ *$\|\[0m\|\[33m\|^WARNING:root:$"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+for step in "$@"; do
+  echo "== $step"
+  case $step in
+    checks) bash tools/device_checks.sh ;;
+    sweep-bwd)
+      python tools/sweep.py --part bwd --shapes uniform,zipf --write --json "$OUT/sweep_bwd.json" 2>&1 | quiet | grep -v "^bwd" ; keep
+      python tools/sweep.py --part route --shapes hot,zipf --write --json "$OUT/sweep_route.json" 2>&1 | quiet | grep -v "^route"; keep
+      timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests_gpu.txt" | tail -4 ;;
+    sweep-fwd)
+      python tools/sweep.py --part fwd --shapes d32 --write --json "$OUT/sweep_fwd_d32.json" 2>&1 | quiet | grep -v "^fwd"; keep
+      python tools/sweep.py --part fwd --shapes d64 --write --json "$OUT/sweep_fwd_d64.json" 2>&1 | quiet | grep -v "^fwd"; keep
+      python tools/sweep.py --part fwd --shapes uniform --write --json "$OUT/sweep_fwd_d128.json" 2>&1 | quiet | grep -v "^fwd"; keep
+      python tools/profile_stages.py --shape uniform --json "$OUT/prof_uniform.json" 2>&1 | quiet | tail -14 ;;
+    suite)
+      python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
+        --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"
+      grep -i "check\|error\|fail" "$OUT/suite.log" | grep -v "_fbgemm_torch_compat" | tail -5
+      python tools/perf_table.py "$OUT/h200.json" | tail -16 ;;
+  esac
+done
