@@ -2,20 +2,20 @@
 holds its first slot; that program reduces it in registers and applies the optimizer with plain
 stores: no atomics, no workspace.
 
-A program owns the runs that *start* in TILE consecutive sorted slots [k0, k0 + TILE) and loads a
-window of 2 * TILE slots from k0, so a run that starts in the tile and crosses its end is usually
-finished inside the same window. Everything that decides which slots a program owns comes from the
-sorted keys themselves (a run starts where the key differs from its left neighbour and ends where it
-differs from its right one): the keys, bag ids and per-sample weights of the window are independent,
-coalesced loads, so the gradient-row gathers sit only two dependent steps behind the start of an
-iteration (slot -> bag -> row), with the feature tables in between served from cache. Only the run
-that reaches past the window needs its end from the run table (one scalar load issued with the
-keys); it is finished from the following slots (fewer than the threshold) and, if it turns out long,
-left to the long path. A segmented sum along the window (a fixed scan order: deterministic) gives each
-run's gradient at its last slot, where the update is applied.
+A program owns the runs that *start* in its TILE consecutive sorted slots [k0, k0 + TILE). Which
+slots those are comes from the sorted keys themselves (a run starts where the key differs from its
+left neighbour and ends where it differs from its right one), so the keys, bag ids and per-sample
+weights of a tile are independent, coalesced loads, prefetched one tile ahead: the gradient-row
+gathers wait on one memory round trip per iteration (bag -> row, with the feature tables in between
+served from cache). Only the run holding the tile's last slot needs its end from the run table (one
+scalar, prefetched too); if it is ours it is finished from the following slots (fewer than the
+threshold) or, if it turns out long, left to the long path. A segmented sum along the tile (a fixed
+scan order: deterministic) gives each run's gradient at its last slot, where the update is applied.
+(A window of 2 * TILE slots, finishing most crossing runs without the tail loop, measured 1.6-2x
+slower on the H200 (tools/sweep.py, 2026-11-30), presumably from twice the registers per owned slot.)
 
-Byte accounting per run of length L: L gradient rows + L * (3 * key + 4 + [4 psw]) B of slot metadata,
-mostly cache hits after the first of the three overlapping key loads + one row read and written +
+Byte accounting per run of length L: L gradient rows + L * (3 * key + 4 + [4 psw]) B of slot metadata
+(the three overlapping key loads mostly hit in cache) + one row read and written +
 row-wise state 8 B. Persistent grid: NPROG programs stride over the bucket's tiles, whose bounds they
 read from device memory (no host sync, no data-dependent grid).
 """
@@ -78,57 +78,52 @@ def _backward_short_kernel(
     bucket_slot_bounds_ptr: [K + 1] slots of bucket k.
     threshold: runs at least this long belong to the long path and are skipped here.
     """
-    WINDOW: tl.constexpr = 2 * TILE
     STRIDE = NPROG * TILE
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
-    lanes = tl.arange(0, WINDOW)
+    lanes = tl.arange(0, TILE)
     lo = tl.load(bucket_slot_bounds_ptr + bucket).to(tl.int64)
     hi = tl.load(bucket_slot_bounds_ptr + bucket + 1).to(tl.int64)
-    # Software pipelining: the slot metadata of the next window is loaded while this one is reduced,
-    # so an iteration waits on one memory round trip (the gradient and weight rows), not three.
+    # Software pipelining: the slot metadata of the next tile is loaded while this one is reduced, so
+    # an iteration waits on one memory round trip (the gradient and weight rows), not three.
     key, prev, nxt, bag, psw, rc = _load_window(
         sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, lo + pid * TILE, lo, hi, lanes, WEIGHTED,
-        WINDOW,
+        TILE,
     )
     re_last = tl.load(run_start_ptr + rc, mask=lo + pid * TILE < hi, other=0).to(tl.int64)
     for k0 in range(lo + pid * TILE, hi, STRIDE):
         n_key, n_prev, n_nxt, n_bag, n_psw, n_rc = _load_window(
             sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, k0 + STRIDE, lo, hi, lanes, WEIGHTED,
-            WINDOW,
+            TILE,
         )
         k = k0 + lanes
         valid = k < hi
-        win_end = tl.minimum(k0 + WINDOW, hi)
+        tile_end = tl.minimum(k0 + TILE, hi)
         head = valid & ((k == lo) | (key != prev))
         last_of_run = valid & (((k + 1) >= hi) | (nxt != key))
-        big = hi + WINDOW
-        in_tile = k < k0 + TILE
-        first = tl.min(tl.where(head & in_tile, k, big), axis=0)  # first run this program owns
-        stop = tl.min(tl.where(head & ~in_tile, k, big), axis=0)  # first run of the next tile
+        first = tl.min(tl.where(head, k, hi), axis=0)  # first run this program owns
         last_head = tl.max(tl.where(head, k, lo - 1), axis=0)
-        # The run reaching past the window (its end re_last is the one the window cannot see) is ours
-        # iff no run starts in the window's second half; it is long (left to the long path) if it
-        # reaches `threshold` slots.
-        tail_ours = (stop == big) & (first < big)
+        # The run holding the tile's last slot (its end re_last is the one the tile cannot see) is
+        # ours iff it starts here; it is long (left to the long path) if it reaches `threshold` slots.
+        tail_ours = first < hi
         tail_long = tail_ours & (re_last - last_head >= threshold)
-        owned = valid & (k >= first) & (k < stop) & ~(tail_long & (k >= last_head))
+        owned = valid & (k >= first) & ~(tail_long & (k >= last_head))
         g, t, cmask = gather_bag_rows(
             grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, owned, B, total_D, cols,
             POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
         )
-        # Second stage of the next window's prefetch, now that its run count has had time to arrive.
+        # Second stage of the next tile's prefetch, now that its run count has had time to arrive.
         n_re = tl.load(run_start_ptr + n_rc, mask=k0 + STRIDE < hi, other=0).to(tl.int64)
         # Each slot's run head (a running max of head positions) gives the length of every run the
-        # window finishes. With the usual knobs (2 * TILE <= threshold) only the tail run can be long,
-        # but any threshold stays exact.
+        # tile finishes. With the usual knobs (TILE <= threshold) only the tail run can be long, but
+        # any threshold stays exact.
         head_pos = tl.associative_scan(tl.where(head, k, lo - 1), 0, _max_combine)
-        at_end = k == win_end - 1
+        at_end = k == tile_end - 1
         run_len = tl.where(at_end, re_last, k + 1) - head_pos
         ends = owned & (last_of_run | at_end) & (run_len < threshold)
-        # Weight rows of the runs this window finishes: issued before the reduction so they overlap it.
+        # Weight rows of the runs this tile finishes: issued before the reduction so they overlap it.
         w_row, state_row, D = locate_key_rows(
             key, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
             t, ends, ALIGN,
@@ -136,13 +131,13 @@ def _backward_short_kernel(
         umask = ends[:, None] & cmask
         w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
         w = tl.load(w_ptrs, mask=umask, other=0.0).to(tl.float32)
-        heads = tl.broadcast_to(head.to(tl.float32)[:, None], (WINDOW, BLOCK_D))
+        heads = tl.broadcast_to(head.to(tl.float32)[:, None], (TILE, BLOCK_D))
         sums, seg_heads = tl.associative_scan((g, heads), 0, segmented_add)
-        # The owned run crossing the window's end continues for fewer than `threshold` slots.
+        # The owned run crossing the tile's end continues for fewer than `threshold` slots.
         crossing = ends & ~last_of_run
-        rest_end = tl.where(tail_ours & ~tail_long, tl.maximum(re_last, win_end), win_end)
+        rest_end = tl.where(tail_ours & ~tail_long, tl.maximum(re_last, tile_end), tile_end)
         rest = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j0 in range(win_end, rest_end, WINDOW):
+        for j0 in range(tile_end, rest_end, TILE):
             kk = j0 + lanes
             gg, t_rest, m_rest = gather_rows(
                 grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
@@ -162,9 +157,8 @@ def _load_window(
     sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, k0, lo, hi, lanes, WEIGHTED: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """Slot metadata of the window at k0 (all masked off past hi): keys with both neighbours, bag ids,
-    per-sample weights, and the run count of the window's last slot (its run's end is
-    run_start[rc])."""
+    """Slot metadata of the WINDOW slots at k0 (masked off past hi): keys with both neighbours, bag
+    ids, per-sample weights, and the run count of the last slot (its run's end is run_start[rc])."""
     k = k0 + lanes
     valid = k < hi
     key = tl.load(sorted_keys_ptr + k, mask=valid, other=0)
