@@ -54,8 +54,9 @@ def main():
     B, T, E, D, L = s["B"], s["T"], s["E"], s["D"], s["L"]
     opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.optimizer == "rowwise" else EmbOptimType.EXACT_SGD
     dev = torch.device("cuda")
+    # Stochastic rounding off, as in the suite (FBGEMM's benchmark default).
     kw = dict(optimizer=opt, weights_precision=SparseType.FP16, output_dtype=SparseType.FP32, learning_rate=0.01,
-              bounds_check_mode=BoundsCheckMode.NONE)
+              bounds_check_mode=BoundsCheckMode.NONE, stochastic_rounding=False)
     ours = TritonTBE([(E, D)] * T, device=dev, **kw)
     req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
     idx, off = req.indices.to(dev), req.offsets.to(dev)

@@ -40,9 +40,10 @@ SHAPES = {
     "d32": dict(B=65536, T=32, E=1_000_000, D=32, L=20, alpha=1.0),
     "d64": dict(B=65536, T=32, E=1_000_000, D=64, L=20, alpha=1.15),
     "hot": dict(B=131072, T=32, E=1_000_000, D=128, L=1, alpha=1.5),  # most lookups in runs >= 256
+    "d256": dict(B=65536, T=16, E=1_000_000, D=256, L=20, alpha=1.15),
 }
 FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
-BWD_GRID = dict(tile=[4, 8, 16], num_warps=[1, 2, 4], programs_per_sm=[8, 16, 32])
+BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32])
 ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[64, 256, 1024], long_path=["split", "fused"])
 
 
@@ -75,8 +76,10 @@ def main() -> None:
         s = SHAPES[name]
         B, T, E, D, L = s["B"], s["T"], s["E"], s["D"], s["L"]
         bd = triton.next_power_of_2(D)
+        # Stochastic rounding off, as in the suite (FBGEMM's benchmark default, --stoc to enable).
         m = TritonTBE([(E, D)] * T, device=dev, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                      weights_precision=SparseType.FP16, bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base)
+                      weights_precision=SparseType.FP16, bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base,
+                      stochastic_rounding=False)
         req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
         idx, off = req.indices.to(dev), req.offsets.to(dev)
         grad = torch.randn(B, T * D, device=dev)

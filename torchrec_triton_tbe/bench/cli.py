@@ -5,8 +5,8 @@
     # the H200 suite, A/B against FBGEMM in the same process, checked, with JSON and plot
     torchrec-triton-tbe-bench --suite h200 --compare fbgemm --check --json h200.json --plot h200.png
 
-The JSON records the GPU, clocks, versions, git commit (on a copy of the tree without .git, set
-TORCHREC_TRITON_TBE_GIT_COMMIT) and a sha256 of the package sources. A suite too long for one
+The JSON records the GPU, clocks, versions, git commit (TORCHREC_TRITON_TBE_GIT_COMMIT if set — on a
+copy of the tree without .git, or with a stale one — else ``git rev-parse HEAD``) and a sha256 of the package sources. A suite too long for one
 command can run in parts (``--only a,b``) and be merged: ``python -m torchrec_triton_tbe.bench.report``.
 
 Per case it prints FBGEMM's lines (``Forward, B: ..., BW: X GB/s, T: Yus``; ``Backward, ...``), one per

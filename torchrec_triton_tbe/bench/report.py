@@ -130,10 +130,12 @@ def environment(device: torch.device, argv: Sequence[str]) -> dict[str, Any]:
     except ImportError:
         fbgemm = None
     repo = Path(torchrec_triton_tbe.__file__).resolve().parent.parent
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) if commit else None
-    if commit is None:  # e.g. a copy of the tree on a GPU machine without the .git directory
-        commit = os.environ.get("TORCHREC_TRITON_TBE_GIT_COMMIT")
+    # An explicit commit wins: a copy of the tree on a GPU machine may carry no .git, or a stale one.
+    commit = os.environ.get("TORCHREC_TRITON_TBE_GIT_COMMIT")
+    status = None
+    if not commit:
+        commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) if commit else None
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
