@@ -62,14 +62,10 @@ def _backward_long_partials_kernel(
         first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
         s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
         e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
-        partial = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j0 in range(s, e, TILE):
-            k = j0 + lanes
-            g, t_chunk, m_chunk = gather_rows(
-                grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-                k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
-            )
-            partial += tl.sum(g, axis=0)
+        partial = _chunk_sum(
+            grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
+            s, e, B, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+        )
         # Columns past D are zeros (masked loads); the apply pass never reads them.
         tl.store(partials_ptr + c * partial_stride + cols, partial)
 
@@ -109,33 +105,17 @@ def _backward_long_apply_kernel(
     lr = tl.load(lr_ptr)
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
-    one = tl.arange(0, 1)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
     for c in range(c_begin + pid, c_end, NPROG):
         r = tl.load(chunk_run_ptr + c)
         first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
         if c == first_chunk:
-            last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
-            s = tl.load(run_start_ptr + r + one).to(tl.int64)  # [1]: a one-row tile
-            rmask = one == 0
-            t = tl.load(sorted_bags_ptr + s) // B
-            w_row, state_row, D = locate_rows(
-                sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
-                feature_dim_ptr, s, t, rmask, ALIGN,
-            )
-            if EVEN_D:
-                cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
-            else:
-                cmask = rmask[:, None] & (cols[None, :] < D[:, None])
-            grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-            for k in range(first_chunk, last_chunk):
-                grad += tl.load(partials_ptr + k * partial_stride + cols[None, :], mask=cmask, other=0.0)
-            w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
-            w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
-            apply_rows_update(
-                w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
-                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
+            _apply_run(
+                weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
+                feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                tl.load(run_start_ptr + r).to(tl.int64), first_chunk, tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64),
+                B, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D,
             )
 
 
@@ -189,7 +169,6 @@ def _backward_long_fused_kernel(
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
     lanes = tl.arange(0, TILE)
-    one = tl.arange(0, 1)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
     for c in range(c_begin + pid, c_end, NPROG):
@@ -199,40 +178,104 @@ def _backward_long_fused_kernel(
         run_s = tl.load(run_start_ptr + r).to(tl.int64)
         s = run_s + (c - first_chunk) * chunk
         e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
-        partial = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j0 in range(s, e, TILE):
-            k = j0 + lanes
-            g, t_chunk, m_chunk = gather_rows(
-                grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-                k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
-            )
-            partial += tl.sum(g, axis=0)
+        partial = _chunk_sum(
+            grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
+            s, e, B, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+        )
         tl.store(partials_ptr + c * partial_stride + cols, partial)
         # Every thread's part of the partial is stored before the one thread holding the counter
         # releases it (the barrier orders them; the release is cumulative over what it has seen).
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + first_chunk, 1, sem="acq_rel")
         if done == last_chunk - first_chunk - 1:
-            rmask = one == 0
-            s1 = run_s + one  # [1]: a one-row tile
-            t = tl.load(sorted_bags_ptr + s1) // B
-            w_row, state_row, D = locate_rows(
-                sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
-                feature_dim_ptr, s1, t, rmask, ALIGN,
+            _apply_run(
+                weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
+                feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                run_s, first_chunk, last_chunk, B, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D,
+                ALIGN, BLOCK_D,
             )
-            if EVEN_D:
-                cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
-            else:
-                cmask = rmask[:, None] & (cols[None, :] < D[:, None])
-            grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-            for kc in range(first_chunk, last_chunk):
-                # .cg: read the other programs' partials from L2, never from a stale L1 line.
-                grad += tl.load(
-                    partials_ptr + kc * partial_stride + cols[None, :], mask=cmask, other=0.0, cache_modifier=".cg"
-                )
-            w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
-            w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
-            apply_rows_update(
-                w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
-                (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
-            )
+
+
+@triton.jit
+def _chunk_sum(
+    grad_out_ptr,
+    sorted_bags_ptr,
+    sorted_psw_ptr,
+    offsets_ptr,
+    feature_out_offset_ptr,
+    feature_dim_ptr,
+    s,
+    e,
+    B,
+    total_D,
+    cols,
+    lanes,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """fp32 sum of the gradient rows of sorted slots [s, e), len(lanes) slots per step."""
+    partial = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j0 in range(s, e, lanes.shape[0]):
+        k = j0 + lanes
+        g, t_chunk, m_chunk = gather_rows(
+            grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
+            k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+        )
+        partial += tl.sum(g, axis=0)
+    return partial
+
+
+@triton.jit
+def _apply_run(
+    weights_ptr,
+    momentum_ptr,
+    partials_ptr,
+    sorted_keys_ptr,
+    sorted_bags_ptr,
+    feature_key_offset_ptr,
+    feature_weight_offset_ptr,
+    feature_row_offset_ptr,
+    feature_dim_ptr,
+    run_s,
+    first_chunk,
+    last_chunk,
+    B,
+    partial_stride,
+    lr,
+    eps,
+    seed,
+    cols,
+    OPTIM: tl.constexpr,
+    SR_DROP_BITS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One optimizer step for the long run starting at sorted slot run_s: the sum of its partials
+    [first_chunk, last_chunk) in chunk order (the same order on both schedules, hence the same bits)."""
+    one = tl.arange(0, 1)
+    s = run_s + one  # [1]: a one-row tile
+    rmask = one == 0
+    t = tl.load(sorted_bags_ptr + s) // B
+    w_row, state_row, D = locate_rows(
+        sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
+        feature_dim_ptr, s, t, rmask, ALIGN,
+    )
+    if EVEN_D:
+        cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
+    else:
+        cmask = rmask[:, None] & (cols[None, :] < D[:, None])
+    grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    for kc in range(first_chunk, last_chunk):
+        # .cg: on the fused schedule other programs wrote these partials during this launch; read
+        # them from L2, never from a stale L1 line.
+        grad += tl.load(partials_ptr + kc * partial_stride + cols[None, :], mask=cmask, other=0.0, cache_modifier=".cg")
+    w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
+    w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
+    apply_rows_update(
+        w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
+        (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
+    )
