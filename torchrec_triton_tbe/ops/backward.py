@@ -1,10 +1,12 @@
 """Launch the fused backward: per-sample-weight gradient, then per D bucket the short-run kernel and
-the long-run split-K pair. Every launch has a fixed (persistent) grid; run and chunk counts are read
-by the kernels from device memory, so nothing here waits for the GPU.
+the long-run split-K kernels (config ``backward.long_path``: the partials + apply pair, or the one
+fused kernel). Every launch has a fixed (persistent) grid; run and chunk counts are read by the
+kernels from device memory, so nothing here waits for the GPU.
 
 Order matters and is enforced by stream order: the per-sample-weight gradient reads the weights the
-forward pooled, so it runs before any update; a long run's apply reads partials, so it runs after
-the partials kernel of its bucket.
+forward pooled, so it runs before any update; on the split schedule a long run's apply reads
+partials, so it runs after the partials kernel of its bucket (the fused schedule orders them inside
+the kernel, with a counter per run).
 """
 
 from __future__ import annotations
