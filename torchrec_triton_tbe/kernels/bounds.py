@@ -22,21 +22,12 @@ CHECK_ONLY: tl.constexpr = tl.constexpr(3)  # FATAL: record the first bad positi
 @triton.jit
 def repair_indices(idx_ptrs, idx, lmask, num_rows):
     """Ids outside [0, num_rows) become 0 (FBGEMM's repair) and are written back in place, so the
-    backward sees the same ids the forward pooled. Returns the repaired ids and how many changed."""
+    backward sees the same ids the forward pooled. Returns the repaired ids and how many changed (one
+    scalar for a tile of any rank: the forward's [GATHER] steps and its bag lanes' [LANES, GATHER])."""
     bad = lmask & ((idx < 0) | (idx >= num_rows))
     idx = tl.where(bad, 0, idx)
     tl.store(idx_ptrs, idx, mask=bad)
-    return idx, tl.sum(bad.to(tl.int32), axis=0)
-
-
-@triton.jit
-def repair_index_tile(idx_ptrs, idx, lmask, num_rows):
-    """repair_indices for a [LANES, GATHER] tile of ids (the forward's bag lanes): same repair and
-    write-back; the count is reduced over both axes so callers carry one scalar, as in the 1-D case."""
-    bad = lmask & ((idx < 0) | (idx >= num_rows))
-    idx = tl.where(bad, 0, idx)
-    tl.store(idx_ptrs, idx, mask=bad)
-    return idx, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+    return idx, tl.sum(bad.to(tl.int32))
 
 
 @triton.jit

@@ -19,7 +19,7 @@ LANES > 1 (bag lanes): LANES bags side by side, GATHER rows of each per step, a 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_index_tile, repair_indices
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices
 from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
 
 
@@ -129,7 +129,7 @@ def _pooled_forward_kernel(
                     lmask = pos < end[:, None]
                     idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
                     if BOUNDS_MODE != REPAIR_OFF:
-                        idx, nbad = repair_index_tile(indices_ptr + pos, idx, lmask, num_rows)
+                        idx, nbad = repair_indices(indices_ptr + pos, idx, lmask, num_rows)
                         repaired += nbad
                     row = tl.multiple_of(w_base + idx.to(tl.int64) * D, [ALIGN, ALIGN])
                     tile = tl.load(

@@ -105,7 +105,7 @@ def fused_update(
     partials = torch.empty(runs.max_chunks * partial_stride, dtype=torch.float32, device=grad_out.device)
     fused_long = bcfg.long_path == "fused"
     # One countdown per long run (indexed by its first chunk, unique across buckets).
-    counters = torch.zeros(runs.max_chunks if fused_long else 0, dtype=torch.int32, device=grad_out.device)
+    counters = torch.zeros(runs.max_chunks, dtype=torch.int32, device=grad_out.device) if fused_long else None
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
             continue
