@@ -14,6 +14,7 @@ KERNELS = {
     "_linearize_kernel",
     "_run_flags_kernel",
     "_run_starts_kernel",
+    "_run_chunks_kernel",
     "_backward_short_kernel",
     "_backward_long_partials_kernel",
     "_backward_long_apply_kernel",
@@ -21,7 +22,8 @@ KERNELS = {
     "_psw_grad_kernel",
 }
 ATOMIC_FREE = {"_backward_short_kernel", "_backward_long_partials_kernel", "_backward_long_apply_kernel",
-               "_psw_grad_kernel", "_linearize_kernel", "_run_flags_kernel", "_run_starts_kernel"}
+               "_psw_grad_kernel", "_linearize_kernel", "_run_flags_kernel", "_run_starts_kernel",
+               "_run_chunks_kernel"}
 
 
 def test_every_kernel_lowers_to_cubin_for_sm90_and_sm100(tmp_path):

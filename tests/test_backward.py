@@ -196,3 +196,40 @@ def test_stochastic_rounding_is_unbiased_and_close():
     assert (err.abs() <= ulp).all()
     assert err.abs().max() > 0
     assert abs(float((err / ulp).mean())) < 0.1
+
+
+def test_persistent_grid_fills_whole_waves(monkeypatch):
+    """ops/backward._launch_persistent: the first launch of a specialization uses the configured grid;
+    later ones are `waves` full waves at the occupancy its compiled registers allow (grid and NPROG
+    argument always agree); a different specialization learns its own."""
+    import types
+
+    from torchrec_triton_tbe.config import load_named
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append((grid[0], args[-1], kwargs["TILE"]))
+                regs = 154 if kwargs["TILE"] == 8 else 64
+                return types.SimpleNamespace(n_regs=regs, metadata=types.SimpleNamespace(num_warps=1, shared=0))
+
+            return run
+
+    props = types.SimpleNamespace(
+        major=9, multi_processor_count=132, max_threads_per_multi_processor=2048, regs_per_multiprocessor=65536,
+        shared_memory_per_multiprocessor=233472,
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(bwd_ops, "_WAVE_GRID", {})
+    bcfg = load_named("sm90").backward
+    kernel, dev = FakeKernel(), torch.device("cuda")
+    for tile in (8, 8, 16, 16):
+        bwd_ops._launch_persistent(kernel, bcfg, dev, (torch.empty(1), 3), dict(TILE=tile))
+    first = bcfg.programs_per_sm * 132
+    assert launches == [
+        (first, first, 8), (bcfg.waves * 132 * 12, bcfg.waves * 132 * 12, 8),
+        (first, first, 16), (bcfg.waves * 132 * 32, bcfg.waves * 132 * 32, 16),
+    ]

@@ -5,7 +5,17 @@ import pytest
 import torch
 import yaml
 
-from torchrec_triton_tbe.config import KnobTable, KernelConfig, config_dir, load_config, load_named, tile_warps
+import types
+
+from torchrec_triton_tbe.config import (
+    KnobTable,
+    KernelConfig,
+    config_dir,
+    load_config,
+    load_named,
+    resident_programs,
+    tile_warps,
+)
 
 
 @pytest.mark.parametrize("name", ["interpreter", "sm90", "sm100"])
@@ -34,6 +44,7 @@ def test_knob_table_lookup():
         (("forward", "bag_lanes", {"default": 0}), "forward.bag_lanes values must be powers of two"),
         (("backward", "short_threshold", 0), "short_threshold must be >= 1"),
         (("backward", "long_path", "atomic"), "backward.long_path must be one of"),
+        (("backward", "waves", -1), "backward.waves must be >= 0"),
         (("backward", "tile", {128: 4}), "needs a 'default' entry"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
     ],
@@ -89,3 +100,30 @@ def test_bag_lanes_default_to_the_sequential_path(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     assert load_named(str(path)).backward.long_path == "split"
     assert load_named("interpreter").forward.bag_lanes.get(16) > 1  # the CPU tests run the lanes path
+
+
+H200 = types.SimpleNamespace(
+    major=9, max_threads_per_multi_processor=2048, regs_per_multiprocessor=65536,
+    shared_memory_per_multiprocessor=233472,
+)
+
+
+@pytest.mark.parametrize(
+    "n_regs,num_warps,shared,expected",
+    [
+        (154, 1, 1024, 12),  # the short-run kernel at D=128: registers bound (5,120 per warp)
+        (224, 1, 0, 8),  # 7,168 per warp: two per 16,384-register partition (Nsight Compute: 8)
+        (166, 1, 0, 12),  # Nsight Compute: 12
+        (32, 1, 0, 32),  # the block limit
+        (64, 4, 0, 8),  # 2,048 registers per warp x 4 warps
+        (32, 8, 0, 8),  # the warp limit: 64 warps per SM
+        (32, 1, 100_000, 2),  # shared memory (+1 KiB reserved per block)
+    ],
+)
+def test_resident_programs(n_regs, num_warps, shared, expected):
+    assert resident_programs(n_regs, num_warps, shared, H200) == expected
+
+
+def test_waves_default_off():
+    assert load_named("interpreter").backward.waves == 0
+    assert load_named("sm90").backward.waves >= 1

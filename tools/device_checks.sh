@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device-side checks after staging (see docs/performance.md): GPU tests, plugin tests against the
-# image's torchrec/fbgemm (interpreter, no CUDA), the TorchRec A/B demo on the GPU, a stage profile.
+# Device-side checks after staging (see docs/performance.md): GPU tests, the TorchRec A/B demo on the
+# GPU, a stage profile. (The plugin's CPU tests run in CI: the image's Triton 3.6 interpreter cannot run
+# loops bounded by loaded scalars with its NumPy, docs/torchrec.md.)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv,noheader
@@ -8,5 +9,3 @@ python -c "import torch, triton, fbgemm_gpu, torchrec; print(torch.__version__, 
 echo "== tests/gpu"; timeout 240 python -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee $OUT/tests_gpu.txt | tail -15
 echo "== demo (GPU)"; timeout 150 python -m torchrec_triton_tbe.torchrec_demo --steps 10 > $OUT/demo.txt 2>&1; echo "rc=$?"; tail -20 $OUT/demo.txt
 echo "== profile"; timeout 120 python tools/profile_stages.py --shape uniform --json $OUT/prof_uniform.json 2>&1 | tail -25
-echo "== plugin tests (torchrec $(python -c 'import torchrec;print(torchrec.__version__)'), interpreter)"
-CUDA_VISIBLE_DEVICES= timeout 170 python -m pytest -q -p no:cacheprovider tests/test_plugin_*.py 2>&1 | tee $OUT/tests_plugin.txt | tail -8

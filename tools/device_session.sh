@@ -4,6 +4,7 @@
 #   checks      tests/gpu, the TorchRec A/B demo on the GPU, a stage profile (tools/device_checks.sh)
 #   sweep-bwd   backward knobs (tile/warps/grid on uniform+zipf, then routing on hot+zipf), tests/gpu
 #   sweep-fwd   forward knobs on the narrow shapes, then a stage profile
+#   sweep-fwd128  forward lanes and gather at BLOCK_D=128 on uniform, Zipf and hot shapes
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
 # every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
@@ -29,6 +30,9 @@ for step in "$@"; do
       python tools/sweep.py --part fwd --shapes d64 --write --json "$OUT/sweep_fwd_d64.json" 2>&1 | quiet | grep -v "^fwd"; keep
       python tools/sweep.py --part fwd --shapes uniform --write --json "$OUT/sweep_fwd_d128.json" 2>&1 | quiet | grep -v "^fwd"; keep
       python tools/profile_stages.py --shape uniform --json "$OUT/prof_uniform.json" 2>&1 | quiet | tail -14 ;;
+    sweep-fwd128)
+      python tools/sweep.py --part fwd --shapes uniform,zipf,hot --grid bag_lanes=1,2,4,8 bags_per_program=2 \
+        gather=4,8 num_warps=1 --write --json "$OUT/sweep_fwd_d128.json" 2>&1 | quiet | grep -v "^fwd"; keep ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

@@ -65,7 +65,7 @@ def main():
     res["fwd"] = bench(lambda: ours(idx, off))
     spec = ours.spec
     res["linearize"] = bench(lambda: tr_ops.linearize(spec, idx, off, B))
-    keys, bags = tr_ops.linearize(spec, idx, off, B)
+    keys, bags, _ = tr_ops.linearize(spec, idx, off, B)
     res["sort"] = bench(lambda: torch.sort(keys, stable=True))
     res["build_runs (incl linearize+sort)"] = bench(lambda: tr_ops.build_runs(spec, idx, off, B))
     runs = tr_ops.build_runs(spec, idx, off, B)

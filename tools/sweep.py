@@ -1,10 +1,11 @@
 """Sweep the kernel knobs of configs/<target>.yaml on the GPU and report (optionally write) the best.
 
     python tools/sweep.py --target sm90 [--part fwd,bwd,route] [--shapes uniform,zipf] [--write] [--json out.json]
+        [--grid KNOB=V1,V2 ...]
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
 the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D) and
-the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm), and
+the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm x waves), and
 (part ``route``) run metadata + fused update over the short/long threshold, the long chunk and the
 long-path schedule (split / fused), each the median of CUDA-event timings after a warm-up
 (``triton.testing.do_bench``, which clears L2 between calls). The winner
@@ -43,7 +44,7 @@ SHAPES = {
     "d256": dict(B=65536, T=16, E=1_000_000, D=256, L=20, alpha=1.15),
 }
 FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
-BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32])
+BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32], waves=[1])
 ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[64, 256, 1024], long_path=["split", "fused"])
 
 
@@ -64,7 +65,16 @@ def main() -> None:
     ap.add_argument("--shapes", default="uniform,zipf")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--grid", nargs="*", default=[], metavar="KNOB=V1,V2",
+                    help="narrow a grid, e.g. --grid tile=8,16 num_warps=1 (values as in configs/)")
     args = ap.parse_args()
+    for item in args.grid:
+        knob, _, values = item.partition("=")
+        grids = [g for g in (FWD_GRID, BWD_GRID, ROUTE_GRID) if knob in g]
+        if not grids or not values:
+            ap.error(f"--grid {item}: knobs are {sorted({*FWD_GRID, *BWD_GRID, *ROUTE_GRID})}")
+        for g in grids:
+            g[knob] = [v if knob == "long_path" else int(v) for v in values.split(",")]
     logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     from fbgemm_gpu.tbe.utils import generate_requests
 
@@ -104,21 +114,24 @@ def main() -> None:
                       flush=True)
         if "bwd" in parts:
             state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
-            for tile, warps, pps in itertools.product(*BWD_GRID.values()):
+            for tile, warps, pps, waves in itertools.product(*BWD_GRID.values()):
                 cfg = base.replace_backward(
                     tile=with_table(base.backward.tile, bd, tile),
                     num_warps=with_table(base.backward.num_warps, bd, warps),
                     programs_per_sm=pps,
+                    waves=waves,
                 )
                 spec = dataclasses.replace(m.spec, config=cfg)
                 runs = tr_ops.build_runs(spec, idx, off, B)
                 try:
                     t = median_ms(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, None, B))
                 except Exception as e:  # noqa: BLE001 - a knob value the compiler rejects is skipped, not fatal
-                    print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps}: FAILED {str(e)[:120]}")
+                    print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps} waves={waves}: "
+                          f"FAILED {str(e)[:120]}")
                     continue
-                results["bwd"].setdefault((tile, warps, pps), {})[name] = t
-                print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps}: {t:.3f} ms", flush=True)
+                results["bwd"].setdefault((tile, warps, pps, waves), {})[name] = t
+                print(f"bwd {name:8s} tile={tile} warps={warps} programs/SM={pps} waves={waves}: {t:.3f} ms",
+                      flush=True)
         if "route" in parts:
             # Routing moves work between the run-metadata pass and the kernels: time both.
             state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
@@ -160,10 +173,11 @@ def main() -> None:
             doc["forward"]["bag_lanes"] = {"default": old_lanes} if isinstance(old_lanes, int) else old_lanes
             doc["forward"]["bag_lanes"][bd] = lanes
         if "bwd" in best:
-            tile, warps, pps = best["bwd"][0]
+            tile, warps, pps, waves = best["bwd"][0]
             doc["backward"]["tile"][bd] = tile
             doc["backward"]["num_warps"][bd] = warps
             doc["backward"]["programs_per_sm"] = pps
+            doc["backward"]["waves"] = waves
         if "route" in best:
             threshold, chunk, long_path = best["route"][0]
             doc["backward"]["short_threshold"] = threshold

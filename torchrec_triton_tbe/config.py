@@ -73,11 +73,36 @@ class BackwardConfig:
     programs: int  # persistent grid size when programs_per_sm == 0
     programs_per_sm: int
     long_path: str = "split"  # LONG_PATHS: two launches ("split") or one with a countdown ("fused")
+    # > 0: once a kernel specialization has been compiled, its persistent grid is this many full waves
+    # (SMs x the programs its registers / warps / shared memory let one SM hold); 0: always the grid above.
+    waves: int = 0
 
     def grid_programs(self, device: torch.device) -> int:
         if self.programs_per_sm > 0 and device.type == "cuda":
             return self.programs_per_sm * _sm_count(device)
         return max(1, self.programs)
+
+
+# Resident thread blocks per SM, by compute capability (CUDA occupancy tables; 32 on sm_80/90/100).
+_MAX_BLOCKS_PER_SM = {8: 32, 9: 32, 10: 32, 12: 24}
+
+
+def resident_programs(n_regs: int, num_warps: int, shared_bytes: int, props: Any) -> int:
+    """How many programs of a compiled kernel one SM holds at once: the least of the block, warp,
+    register and shared-memory limits. Registers are allocated per warp in units of 256 from four
+    scheduler partitions of a quarter of the file each (a warp cannot straddle two), which is what
+    Nsight Compute reports on the H200: 224 registers per thread -> 8 one-warp programs, 166 -> 12.
+    The driver reserves 1 KiB of shared memory per block."""
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    partition = getattr(props, "regs_per_multiprocessor", 65536) // 4
+    limits = [
+        _MAX_BLOCKS_PER_SM.get(props.major, 16),
+        props.max_threads_per_multi_processor // (32 * num_warps),
+        4 * (partition // regs_per_warp) // num_warps,
+    ]
+    if shared_bytes:
+        limits.append(getattr(props, "shared_memory_per_multiprocessor", 0) // (shared_bytes + 1024))
+    return max(1, min(limits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +147,7 @@ class KernelConfig:
                 programs=int(b.get("programs", 0)),
                 programs_per_sm=int(b.get("programs_per_sm", 0)),
                 long_path=str(b.get("long_path", "split")),
+                waves=int(b.get("waves", 0)),
             ),
             source=source,
         )
@@ -156,6 +182,8 @@ class KernelConfig:
             problems.append("backward.short_threshold must be >= 1")
         if self.backward.long_chunk < 1:
             problems.append("backward.long_chunk must be >= 1")
+        if self.backward.waves < 0:
+            problems.append("backward.waves must be >= 0")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

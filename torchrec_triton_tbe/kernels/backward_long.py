@@ -1,5 +1,5 @@
 """Backward, long runs: split-K. A run of L >= threshold lookups is cut into cdiv(L, CHUNK) chunks;
-one program reduces one chunk (TILE slots per step) into its own row of a fp32 partials workspace
+one program reduces one chunk (TILE slots per step, grad_gather.sum_rows) into its own row of a fp32 partials workspace
 (plain store, no atomics); then an apply pass reduces each run's partials in chunk order and applies
 the optimizer once. Deterministic: the reduction order depends only on the data, never on scheduling.
 
@@ -15,7 +15,7 @@ per long run one row read + written and 8 B of row-wise state.
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.grad_gather import gather_rows, locate_rows
+from torchrec_triton_tbe.kernels.grad_gather import locate_rows, sum_rows
 from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
@@ -34,6 +34,7 @@ def _backward_long_partials_kernel(
     feature_dim_ptr,
     bucket,
     B,
+    bag_shift,
     total_D,
     chunk,
     partial_stride,
@@ -62,9 +63,9 @@ def _backward_long_partials_kernel(
         first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
         s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
         e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
-        partial = _chunk_sum(
+        partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-            s, e, B, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
         )
         # Columns past D are zeros (masked loads); the apply pass never reads them.
         tl.store(partials_ptr + c * partial_stride + cols, partial)
@@ -89,6 +90,7 @@ def _backward_long_apply_kernel(
     feature_dim_ptr,
     bucket,
     B,
+    bag_shift,
     partial_stride,
     eps,
     NPROG,
@@ -97,6 +99,7 @@ def _backward_long_apply_kernel(
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """The program that meets a run's first chunk sums all of that run's partials in chunk order and
     applies the optimizer; programs meeting other chunks move on. Runs only after the partials kernel
@@ -115,7 +118,7 @@ def _backward_long_apply_kernel(
                 weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
                 feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
                 tl.load(run_start_ptr + r).to(tl.int64), first_chunk, tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64),
-                B, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D,
+                B, bag_shift, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
             )
 
 
@@ -143,6 +146,7 @@ def _backward_long_fused_kernel(
     feature_dim_ptr,
     bucket,
     B,
+    bag_shift,
     total_D,
     chunk,
     partial_stride,
@@ -178,9 +182,9 @@ def _backward_long_fused_kernel(
         run_s = tl.load(run_start_ptr + r).to(tl.int64)
         s = run_s + (c - first_chunk) * chunk
         e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
-        partial = _chunk_sum(
+        partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-            s, e, B, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
         )
         tl.store(partials_ptr + c * partial_stride + cols, partial)
         # Every thread's part of the partial is stored before the one thread holding the counter
@@ -191,41 +195,9 @@ def _backward_long_fused_kernel(
             _apply_run(
                 weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
                 feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
-                run_s, first_chunk, last_chunk, B, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D,
-                ALIGN, BLOCK_D,
+                run_s, first_chunk, last_chunk, B, bag_shift, partial_stride, lr, eps, seed, cols, OPTIM,
+                SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
             )
-
-
-@triton.jit
-def _chunk_sum(
-    grad_out_ptr,
-    sorted_bags_ptr,
-    sorted_psw_ptr,
-    offsets_ptr,
-    feature_out_offset_ptr,
-    feature_dim_ptr,
-    s,
-    e,
-    B,
-    total_D,
-    cols,
-    lanes,
-    POOLING_MEAN: tl.constexpr,
-    WEIGHTED: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    ALIGN: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """fp32 sum of the gradient rows of sorted slots [s, e), len(lanes) slots per step."""
-    partial = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j0 in range(s, e, lanes.shape[0]):
-        k = j0 + lanes
-        g, t_chunk, m_chunk = gather_rows(
-            grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-            k, k < e, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
-        )
-        partial += tl.sum(g, axis=0)
-    return partial
 
 
 @triton.jit
@@ -243,6 +215,7 @@ def _apply_run(
     first_chunk,
     last_chunk,
     B,
+    bag_shift,
     partial_stride,
     lr,
     eps,
@@ -253,13 +226,14 @@ def _apply_run(
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """One optimizer step for the long run starting at sorted slot run_s: the sum of its partials
     [first_chunk, last_chunk) in chunk order (the same order on both schedules, hence the same bits)."""
     one = tl.arange(0, 1)
     s = run_s + one  # [1]: a one-row tile
     rmask = one == 0
-    t = tl.load(sorted_bags_ptr + s) // B
+    t = tl.load(sorted_bags_ptr + s) >> bag_shift
     w_row, state_row, D = locate_rows(
         sorted_keys_ptr, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr,
         feature_dim_ptr, s, t, rmask, ALIGN,
@@ -268,11 +242,19 @@ def _apply_run(
         cmask = rmask[:, None] & (cols[None, :] < BLOCK_D)
     else:
         cmask = rmask[:, None] & (cols[None, :] < D[:, None])
-    grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-    for kc in range(first_chunk, last_chunk):
+    # TILE partials per step, accumulated element-wise and reduced once: a hot row has hundreds of
+    # chunks, and one partial per step would make its program a chain of that many L2 round trips.
+    lanes = tl.arange(0, TILE)
+    acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)
+    for kc in range(first_chunk, last_chunk, TILE):
+        kk = kc + lanes
         # .cg: on the fused schedule other programs wrote these partials during this launch; read
         # them from L2, never from a stale L1 line.
-        grad += tl.load(partials_ptr + kc * partial_stride + cols[None, :], mask=cmask, other=0.0, cache_modifier=".cg")
+        acc += tl.load(
+            partials_ptr + kk[:, None] * partial_stride + cols[None, :],
+            mask=(kk < last_chunk)[:, None] & cmask, other=0.0, cache_modifier=".cg",
+        )
+    grad = tl.sum(acc, axis=0)[None, :]
     w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
     w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
     apply_rows_update(

@@ -1,35 +1,30 @@
-"""Backward, short runs: every run shorter than the threshold is owned by the one program whose tile
-holds its first slot; that program reduces it in registers and applies the optimizer with plain
-stores: no atomics, no workspace.
+"""Backward, short runs: a program takes TILE consecutive runs at a time, one run per tile row, and
+walks them side by side: step j gathers the j-th gradient row of every run still that long into its
+row's fp32 accumulator. A run is reduced in registers by the one program that owns it and updated
+with plain stores: no atomics, no workspace, no scan, no run crossing a program boundary.
 
-A program owns the runs that *start* in its TILE consecutive sorted slots [k0, k0 + TILE). Which
-slots those are comes from the sorted keys themselves (a run starts where the key differs from its
-left neighbour and ends where it differs from its right one), so the keys, bag ids and per-sample
-weights of a tile are independent, coalesced loads, prefetched one tile ahead: the gradient-row
-gathers wait on one memory round trip per iteration (bag -> row, with the feature tables in between
-served from cache). Only the run holding the tile's last slot needs its end from the run table (one
-scalar, prefetched too); if it is ours it is finished from the following slots (fewer than the
-threshold) or, if it turns out long, left to the long path. A segmented sum along the tile (a fixed
-scan order: deterministic) gives each run's gradient at its last slot, where the update is applied.
-(A window of 2 * TILE slots, finishing most crossing runs without the tail loop, measured 1.6-2x
-slower on the H200 (tools/sweep.py, 2026-11-30), presumably from twice the registers per owned slot.)
+Why runs as rows and not sorted slots as rows: with slots as rows, every row needs its run's head,
+end and owner, a segmented scan joins the slots of a run, and a run crossing the tile's end needs a
+tail loop; on the H200 that kernel was instruction-bound (Nsight Compute, 2026-11-30: ~178 warp
+instructions per lookup, the scheduler issuing on a third of its cycles). Here a lookup costs its bag
+id, its gradient row and one add per element; the price is masked steps in tiles whose runs differ in
+length (a tile runs as many steps as its longest short run), which the short/long threshold bounds.
 
-Byte accounting per run of length L: L gradient rows + L * (3 * key + 4 + [4 psw]) B of slot metadata
-(the three overlapping key loads mostly hit in cache) + one row read and written +
-row-wise state 8 B. Persistent grid: NPROG programs stride over the bucket's tiles, whose bounds they
-read from device memory (no host sync, no data-dependent grid).
+Latency: the run bounds of the next tile and the bag ids of the next step are loaded one step ahead,
+so a step waits on one memory round trip (its gradient rows), and the weight rows of the tile's runs
+are loaded with its first step's rows. Rows are summed in slot order (batch order within a run: the
+sort is stable), so the result is deterministic.
+
+Byte accounting per short run of length L: L * (4-8 B bag id [+ 4 B psw] + one gradient row) + its
+bounds and key (12-16 B) + one weight row read and written + row-wise state 8 B. Persistent grid:
+NPROG programs stride over the bucket's runs, whose range they read from device memory.
 """
 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.grad_gather import gather_bag_rows, gather_rows, locate_key_rows, segmented_add
+from torchrec_triton_tbe.kernels.grad_gather import gather_bag_rows, locate_key_rows
 from torchrec_triton_tbe.kernels.optim import apply_rows_update
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -43,9 +38,8 @@ def _backward_short_kernel(
     sorted_bags_ptr,
     sorted_psw_ptr,
     offsets_ptr,
-    run_count_ptr,
     run_start_ptr,
-    bucket_slot_bounds_ptr,
+    bucket_run_bounds_ptr,
     feature_out_offset_ptr,
     feature_key_offset_ptr,
     feature_weight_offset_ptr,
@@ -53,6 +47,7 @@ def _backward_short_kernel(
     feature_dim_ptr,
     bucket,
     B,
+    bag_shift,
     total_D,
     threshold,
     eps,
@@ -71,11 +66,10 @@ def _backward_short_kernel(
     lr_ptr: fp32[1] learning rate (device-resident so CUDA graphs see scheduler updates).
     seed_ptr: int64[1] optimizer step, seeds stochastic rounding.
     grad_out_ptr: [B, total_D] output gradient.
-    sorted_keys_ptr / sorted_bags_ptr / sorted_psw_ptr: [N] per sorted slot: row key, bag id t*B+b,
-        per-sample weight (fp32, read only if WEIGHTED).
-    run_count_ptr: [N] inclusive count of run starts (slot k is in run run_count[k] - 1).
+    sorted_keys_ptr / sorted_bags_ptr / sorted_psw_ptr: [N] per sorted slot: row key, bag id
+        (t << bag_shift) | b, per-sample weight (fp32, read only if WEIGHTED).
     run_start_ptr: [N + 1] first slot of each run (N past the last run).
-    bucket_slot_bounds_ptr: [K + 1] slots of bucket k.
+    bucket_run_bounds_ptr: [K + 1] runs of bucket k.
     threshold: runs at least this long belong to the long path and are skipped here.
     """
     STRIDE = NPROG * TILE
@@ -84,89 +78,64 @@ def _backward_short_kernel(
     seed = tl.load(seed_ptr)
     cols = tl.arange(0, BLOCK_D)
     lanes = tl.arange(0, TILE)
-    lo = tl.load(bucket_slot_bounds_ptr + bucket).to(tl.int64)
-    hi = tl.load(bucket_slot_bounds_ptr + bucket + 1).to(tl.int64)
-    # Software pipelining: the slot metadata of the next tile is loaded while this one is reduced, so
-    # an iteration waits on one memory round trip (the gradient and weight rows), not three.
-    key, prev, nxt, bag, psw, rc = _load_window(
-        sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, lo + pid * TILE, lo, hi, lanes, WEIGHTED,
-        TILE,
-    )
-    re_last = tl.load(run_start_ptr + rc, mask=lo + pid * TILE < hi, other=0).to(tl.int64)
-    for k0 in range(lo + pid * TILE, hi, STRIDE):
-        n_key, n_prev, n_nxt, n_bag, n_psw, n_rc = _load_window(
-            sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, k0 + STRIDE, lo, hi, lanes, WEIGHTED,
-            TILE,
-        )
-        k = k0 + lanes
-        valid = k < hi
-        tile_end = tl.minimum(k0 + TILE, hi)
-        head = valid & ((k == lo) | (key != prev))
-        last_of_run = valid & (((k + 1) >= hi) | (nxt != key))
-        first = tl.min(tl.where(head, k, hi), axis=0)  # first run this program owns
-        last_head = tl.max(tl.where(head, k, lo - 1), axis=0)
-        # The run holding the tile's last slot (its end re_last is the one the tile cannot see) is
-        # ours iff it starts here; it is long (left to the long path) if it reaches `threshold` slots.
-        tail_ours = first < hi
-        tail_long = tail_ours & (re_last - last_head >= threshold)
-        owned = valid & (k >= first) & ~(tail_long & (k >= last_head))
-        g, t, cmask = gather_bag_rows(
-            grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, owned, B, total_D, cols,
-            POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
-        )
-        # Second stage of the next tile's prefetch, now that its run count has had time to arrive.
-        n_re = tl.load(run_start_ptr + n_rc, mask=k0 + STRIDE < hi, other=0).to(tl.int64)
-        # Each slot's run head (a running max of head positions) gives the length of every run the
-        # tile finishes. With the usual knobs (TILE <= threshold) only the tail run can be long, but
-        # any threshold stays exact.
-        head_pos = tl.associative_scan(tl.where(head, k, lo - 1), 0, _max_combine)
-        at_end = k == tile_end - 1
-        run_len = tl.where(at_end, re_last, k + 1) - head_pos
-        ends = owned & (last_of_run | at_end) & (run_len < threshold)
-        # Weight rows of the runs this tile finishes: issued before the reduction so they overlap it.
+    r_lo = tl.load(bucket_run_bounds_ptr + bucket).to(tl.int64)
+    r_hi = tl.load(bucket_run_bounds_ptr + bucket + 1).to(tl.int64)
+    s, L, act = _load_runs(run_start_ptr, r_lo + pid * TILE, r_hi, lanes, threshold)
+    bag, psw, key = _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, s, act, WEIGHTED)
+    for r0 in range(r_lo + pid * TILE, r_hi, STRIDE):
+        # The next tile's run bounds, while this tile is reduced.
+        n_s, n_L, n_act = _load_runs(run_start_ptr, r0 + STRIDE, r_hi, lanes, threshold)
+        # Any slot's bag names a feature of the run's table, which is all locate_key_rows needs.
         w_row, state_row, D = locate_key_rows(
             key, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
-            t, ends, ALIGN,
+            bag >> bag_shift, act, ALIGN,
         )
-        umask = ends[:, None] & cmask
+        if EVEN_D:
+            umask = tl.broadcast_to(act[:, None], (TILE, BLOCK_D))
+        else:
+            umask = act[:, None] & (cols[None, :] < D[:, None])
         w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
         w = tl.load(w_ptrs, mask=umask, other=0.0).to(tl.float32)
-        heads = tl.broadcast_to(head.to(tl.float32)[:, None], (TILE, BLOCK_D))
-        sums, seg_heads = tl.associative_scan((g, heads), 0, segmented_add)
-        # The owned run crossing the tile's end continues for fewer than `threshold` slots.
-        crossing = ends & ~last_of_run
-        rest_end = tl.where(tail_ours & ~tail_long, tl.maximum(re_last, tile_end), tile_end)
-        rest = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j0 in range(tile_end, rest_end, TILE):
-            kk = j0 + lanes
-            gg, t_rest, m_rest = gather_rows(
-                grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-                kk, kk < rest_end, B, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+        acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)
+        steps = tl.max(tl.where(act, L, 0), axis=0)
+        for j in range(0, steps):
+            nxt = act & (j + 1 < L)
+            n_bag = tl.load(sorted_bags_ptr + s + j + 1, mask=nxt, other=0)
+            n_psw = psw
+            if WEIGHTED:
+                n_psw = tl.load(sorted_psw_ptr + s + j + 1, mask=nxt, other=0.0).to(tl.float32)
+            g, t, gmask = gather_bag_rows(
+                grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, act & (j < L), B,
+                bag_shift, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
             )
-            rest += tl.sum(gg, axis=0)
-        sums = tl.where(crossing[:, None], sums + rest[None, :], sums)
+            acc += g
+            bag, psw = n_bag, n_psw
+        # The next tile's first bag ids and keys, in flight during this tile's update.
+        bag, psw, key = _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, n_s, n_act, WEIGHTED)
         apply_rows_update(
-            w_ptrs, w, momentum_ptr + state_row, sums, umask, ends, D, lr, eps, seed,
+            w_ptrs, w, momentum_ptr + state_row, acc, umask, act, D, lr, eps, seed,
             (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
         )
-        key, prev, nxt, bag, psw, re_last = n_key, n_prev, n_nxt, n_bag, n_psw, n_re
+        s, L, act = n_s, n_L, n_act
 
 
 @triton.jit
-def _load_window(
-    sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, run_count_ptr, k0, lo, hi, lanes, WEIGHTED: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
-    """Slot metadata of the WINDOW slots at k0 (masked off past hi): keys with both neighbours, bag
-    ids, per-sample weights, and the run count of the last slot (its run's end is run_start[rc])."""
-    k = k0 + lanes
-    valid = k < hi
-    key = tl.load(sorted_keys_ptr + k, mask=valid, other=0)
-    prev = tl.load(sorted_keys_ptr + k - 1, mask=valid & (k > lo), other=0)
-    nxt = tl.load(sorted_keys_ptr + k + 1, mask=(k + 1) < hi, other=0)
-    bag = tl.load(sorted_bags_ptr + k, mask=valid, other=0)
-    psw = tl.zeros([WINDOW], dtype=tl.float32)
+def _load_runs(run_start_ptr, r0, r_hi, lanes, threshold):
+    """First slot, length and "short" flag of runs r0 + lanes (runs past r_hi are not short)."""
+    r = r0 + lanes
+    valid = r < r_hi
+    s = tl.load(run_start_ptr + r, mask=valid, other=0).to(tl.int64)
+    e = tl.load(run_start_ptr + r + 1, mask=valid, other=0).to(tl.int64)
+    L = e - s
+    return s, L, valid & (L < threshold)
+
+
+@triton.jit
+def _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, s, act, WEIGHTED: tl.constexpr):
+    """Bag id, per-sample weight and key of each run's first slot."""
+    bag = tl.load(sorted_bags_ptr + s, mask=act, other=0)
+    psw = tl.zeros(s.shape, dtype=tl.float32)
     if WEIGHTED:
-        psw = tl.load(sorted_psw_ptr + k, mask=valid, other=0.0).to(tl.float32)
-    rc = tl.load(run_count_ptr + tl.minimum(k0 + WINDOW, hi) - 1, mask=k0 < hi, other=0)
-    return key, prev, nxt, bag, psw, rc
+        psw = tl.load(sorted_psw_ptr + s, mask=act, other=0.0).to(tl.float32)
+    key = tl.load(sorted_keys_ptr + s, mask=act, other=0)
+    return bag, psw, key

@@ -1,9 +1,9 @@
-"""Gathering output-gradient rows for a tile of sorted lookup slots.
+"""Gathering output-gradient rows of sorted lookup slots, and locating the weight rows they update.
 
-After the sort, slot k holds one lookup: its row key, its bag (sorted_bags[k] = t*B + b) and, when
-weighted, its per-sample weight. A tile of TILE consecutive slots loads TILE bag ids with one
-coalesced load and then TILE independent gradient rows, so every program keeps TILE row loads in
-flight behind a single dependent step.
+After the sort, slot k holds one lookup: its row key, its bag (sorted_bags[k] = (t << bag_shift) | b)
+and, when weighted, its per-sample weight. A program gathers a tile of S slots at once (S runs side by
+side in the short kernel, S consecutive slots of one run in the long path), so S independent gradient
+rows are in flight behind each dependent bag-id load.
 
 Byte accounting per lookup: bag id 4 B (+ psw 4 B, + two offsets for MEAN, mostly cached) and one
 D-wide gradient row (D * 4 B for fp32 gradients: the dominant term).
@@ -14,35 +14,54 @@ import triton.language as tl
 
 
 @triton.jit
-def gather_rows(
+def sum_rows(
     grad_out_ptr,
     sorted_bags_ptr,
     sorted_psw_ptr,
     offsets_ptr,
     feature_out_offset_ptr,
     feature_dim_ptr,
-    k,
-    m,
+    s,
+    e,
     B,
+    bag_shift,
     total_D,
     cols,
+    lanes,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """k, m: [S] sorted slots and their mask. Returns (rows, t, cmask): rows [S, BLOCK_D] fp32 =
-    scale * grad_out[b, out_offset[t] + cols] with scale = psw (weighted) / bag length (MEAN); t [S]
-    the feature of each slot; cmask [S, BLOCK_D] the live elements."""
-    bag = tl.load(sorted_bags_ptr + k, mask=m, other=0)
+    """fp32 sum of the gradient rows of sorted slots [s, e), len(lanes) rows per step.
+
+    Latency, not bandwidth, bounds a loop over one run: each step's bag ids are loaded one step
+    ahead, so a step waits on one memory round trip (the rows), not two (ids, then rows). Rows are
+    accumulated element-wise and reduced across the tile once at the end: a fixed order, so the sum
+    is deterministic and the same wherever it is called."""
+    S: tl.constexpr = lanes.shape[0]
+    acc = tl.zeros([S, BLOCK_D], dtype=tl.float32)
+    k = s + lanes
+    bag = tl.load(sorted_bags_ptr + k, mask=k < e, other=0)
     psw = bag  # unused unless WEIGHTED
     if WEIGHTED:
-        psw = tl.load(sorted_psw_ptr + k, mask=m, other=0.0)
-    return gather_bag_rows(
-        grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, m, B, total_D, cols,
-        POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
-    )
+        psw = tl.load(sorted_psw_ptr + k, mask=k < e, other=0.0)
+    for j0 in range(s, e, S):
+        k = j0 + lanes
+        m = k < e
+        kn = k + S
+        n_bag = tl.load(sorted_bags_ptr + kn, mask=kn < e, other=0)
+        n_psw = n_bag
+        if WEIGHTED:
+            n_psw = tl.load(sorted_psw_ptr + kn, mask=kn < e, other=0.0)
+        g, t, cmask = gather_bag_rows(
+            grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, m, B, bag_shift, total_D,
+            cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+        )
+        acc += g
+        bag, psw = n_bag, n_psw
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -55,6 +74,7 @@ def gather_bag_rows(
     feature_dim_ptr,
     m,
     B,
+    bag_shift,
     total_D,
     cols,
     POOLING_MEAN: tl.constexpr,
@@ -63,12 +83,16 @@ def gather_bag_rows(
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """gather_rows for bag ids (and per-sample weights) already loaded, e.g. prefetched."""
-    t = bag // B
-    b = bag - t * B
+    """(rows, t, cmask): rows [S, BLOCK_D] fp32 = scale * grad_out[b, out_offset[t] + cols] for bag ids
+    (t << bag_shift) | b with mask m, scale = psw (WEIGHTED) / bag length (MEAN); t [S] the feature of
+    each row; cmask [S, BLOCK_D] the live elements."""
+    # Bag ids are (t << bag_shift) | b (ops/transpose.py): no integer division on the hot path.
+    t = bag >> bag_shift
+    b = bag & ((1 << bag_shift) - 1)
     o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
     if EVEN_D:
-        cmask = m[:, None] & (cols[None, :] < BLOCK_D)
+        # A row mask broadcast along the columns: no per-element compare.
+        cmask = tl.broadcast_to(m[:, None], (m.shape[0], BLOCK_D))
     else:
         # ALIGN divides D: a mask constant over ALIGN-wide groups keeps the loads vectorised.
         D = (tl.load(feature_dim_ptr + t, mask=m, other=0) // ALIGN) * ALIGN
@@ -82,7 +106,7 @@ def gather_bag_rows(
         if WEIGHTED:
             scale = tl.where(m, psw, 0.0)
         if POOLING_MEAN:
-            bag64 = bag.to(tl.int64)
+            bag64 = t.to(tl.int64) * B + b
             L = tl.load(offsets_ptr + bag64 + 1, mask=m, other=1) - tl.load(offsets_ptr + bag64, mask=m, other=0)
             scale = scale / tl.maximum(L, 1).to(tl.float32)
         go = go * scale[:, None]
@@ -125,9 +149,3 @@ def locate_key_rows(
     w_row = ((tl.load(feature_weight_offset_ptr + t, mask=m, other=0) + row * D) // ALIGN) * ALIGN
     state_row = tl.load(feature_row_offset_ptr + t, mask=m, other=0) + row
     return w_row, state_row, D
-
-
-@triton.jit
-def segmented_add(a_val, a_head, b_val, b_head):
-    """Combine of a segmented inclusive sum: a new segment (b_head) restarts the sum."""
-    return tl.where(b_head != 0, b_val, a_val + b_val), tl.maximum(a_head, b_head)

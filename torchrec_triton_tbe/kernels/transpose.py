@@ -1,8 +1,10 @@
 """Transpose kernels: lookups in batch order -> sort keys, then sorted keys -> runs (one per row).
 
 Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8 B) and a bag id
-(4 B); run flags read one key (its neighbour comes from cache) and write 4 B; run starts read a key
-and a running count (4 B each) and write 4 B per run.
+(4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B),
+gather the bag id (a 32 B sector for 4 B: the one random access) and write 4 + 4 B; run starts read a
+key and a running count (4 B each) and write 4 B per run; run chunks read two run starts (one from
+cache) and write 4 B per slot.
 """
 
 import triton
@@ -17,19 +19,21 @@ def _linearize_kernel(
     keys_ptr,
     bags_ptr,
     B,
+    bag_shift,
     BLOCK_BAGS: tl.constexpr,
     STEP: tl.constexpr,
 ):
     """
     Grid: [cdiv(B, BLOCK_BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
     table's rows in bucket-ordered key space; features sharing a table share keys, so their gradients
-    merge into one run) and bag id t*B + b. A program walks BLOCK_BAGS bags side by side, STEP
+    merge into one run) and bag id (t << bag_shift) | b (B <= 2**bag_shift: the backward splits it
+    with a shift and a mask, not a division). A program walks BLOCK_BAGS bags side by side, STEP
     lookups of each per step, so consecutive lanes read consecutive ids.
 
     indices_ptr: [N] int32/int64 ids; offsets_ptr: [T*B + 1].
     feature_key_offset_ptr: [T] int64.
     keys_ptr: [N] int32/int64 out (pre-filled with the sentinel for lookups outside every bag).
-    bags_ptr: [N] int32 out.
+    bags_ptr: [N] int32/int64 out.
     """
     t = tl.program_id(1)
     b = tl.program_id(0) * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS)
@@ -45,18 +49,35 @@ def _linearize_kernel(
         p = start[:, None] + j + steps[None, :]
         idx = tl.load(indices_ptr + p, mask=m, other=0).to(tl.int64)
         tl.store(keys_ptr + p, (key0 + idx).to(keys_ptr.dtype.element_ty), mask=m)
-        tl.store(bags_ptr + p, (bag[:, None] + 0 * p).to(tl.int32), mask=m)
+        code = (t.to(tl.int64) << bag_shift) | b
+        tl.store(bags_ptr + p, (code[:, None] + 0 * p).to(bags_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _run_flags_kernel(sorted_keys_ptr, flags_ptr, N, BLOCK: tl.constexpr):
-    """flags[i] = 1 where a run starts (i == 0 or key differs from the previous slot), else 0."""
+def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, flags_ptr, N, BLOCK: tl.constexpr):
+    """flags[i] = 1 where a run starts (i == 0 or key differs from the previous slot), else 0; and
+    sorted_bags[i] = bags[perm[i]], the bag of the lookup the sort put in slot i (one pass for both)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     key = tl.load(sorted_keys_ptr + i, mask=m)
     prev = tl.load(sorted_keys_ptr + i - 1, mask=m & (i > 0))
     head = (i == 0) | (key != prev)
     tl.store(flags_ptr + i, head.to(flags_ptr.dtype.element_ty), mask=m)
+    p = tl.load(perm_ptr + i, mask=m, other=0)
+    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + p, mask=m, other=0), mask=m)
+
+
+@triton.jit
+def _run_chunks_kernel(run_start_ptr, chunk_counts_ptr, N, threshold, chunk, BLOCK: tl.constexpr):
+    """chunk_counts[0] = 0 and chunk_counts[r + 1] = the split-K chunks of run r: cdiv(L, chunk) when
+    its length L reaches the threshold, else 0 (runs past the last have L = 0). Their inclusive sum is
+    each run's first chunk."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = r < N
+    L = tl.load(run_start_ptr + r + 1, mask=m, other=0) - tl.load(run_start_ptr + r, mask=m, other=0)
+    c = tl.where(L >= threshold, (L + (chunk - 1)) // chunk, 0)
+    tl.store(chunk_counts_ptr + r + 1, c.to(chunk_counts_ptr.dtype.element_ty), mask=m)
+    tl.store(chunk_counts_ptr + r, tl.zeros_like(c).to(chunk_counts_ptr.dtype.element_ty), mask=r == 0)
 
 
 @triton.jit

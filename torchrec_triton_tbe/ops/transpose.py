@@ -12,7 +12,12 @@ import dataclasses
 import torch
 import triton
 
-from torchrec_triton_tbe.kernels.transpose import _linearize_kernel, _run_flags_kernel, _run_starts_kernel
+from torchrec_triton_tbe.kernels.transpose import (
+    _linearize_kernel,
+    _run_chunks_kernel,
+    _run_flags_kernel,
+    _run_starts_kernel,
+)
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 RUN_STARTS_BLOCK = 1024
@@ -25,10 +30,9 @@ class RunPlan:
     num_lookups: int  # N
     sorted_keys: torch.Tensor  # [N] key_dtype
     perm: torch.Tensor  # [N] int64: original lookup position of each sorted slot
-    sorted_bags: torch.Tensor  # [N] int32: t*B + b of each sorted slot
-    run_count: torch.Tensor  # [N] inclusive count of run starts: slot k is in run run_count[k] - 1
+    sorted_bags: torch.Tensor  # [N] int32/int64: (t << bag_shift) | b of each sorted slot
+    bag_shift: int  # bits of b in a bag id: B <= 2**bag_shift
     run_start: torch.Tensor  # [N + 1] int32/int64: first slot of run r; N for r >= num_runs
-    bucket_slot_bounds: torch.Tensor  # [K + 1] (device): bucket k owns slots [b[k], b[k+1])
     bucket_run_bounds: torch.Tensor  # [K + 1] (device): bucket k owns runs [b[k], b[k+1])
     threshold: int
     chunk: int
@@ -56,12 +60,21 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 - 1 else torch.int64
 
 
+def bag_code(num_features: int, B: int) -> tuple[int, torch.dtype]:
+    """(bag_shift, dtype) of the bag ids (t << bag_shift) | b: the kernels split them with a shift and
+    a mask, where t * B + b needed an integer division per lookup on the backward's hot path."""
+    shift = max(B - 1, 1).bit_length()
+    return shift, torch.int32 if (max(num_features, 1) << shift) <= 2**31 else torch.int64
+
+
 def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int):
-    """Sort key and bag id of every lookup (lookups outside every bag get the sentinel key)."""
+    """Sort key and bag id of every lookup (lookups outside every bag get the sentinel key), and the
+    bag ids' shift (bag_code)."""
     N = indices.numel()
     plan, cfg = spec.plan, spec.config.transpose
     keys = torch.full((N,), plan.sentinel_key, dtype=plan.key_dtype, device=indices.device)
-    bags = torch.empty(N, dtype=torch.int32, device=indices.device)
+    bag_shift, bag_dtype = bag_code(plan.num_features, B)
+    bags = torch.empty(N, dtype=bag_dtype, device=indices.device)
     if N and B:
         _linearize_kernel[(triton.cdiv(B, cfg.bags_per_program), plan.num_features)](
             indices,
@@ -70,41 +83,42 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
             keys,
             bags,
             B,
+            bag_shift,
             BLOCK_BAGS=cfg.bags_per_program,
             STEP=cfg.lookups_per_step,
             num_warps=cfg.num_warps,
         )
-    return keys, bags
+    return keys, bags, bag_shift
 
 
 def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
     N = indices.numel()
     device = indices.device
     bcfg = spec.config.backward
-    keys, bags = linearize(spec, indices, offsets, B)
+    keys, bags, bag_shift = linearize(spec, indices, offsets, B)
     # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
     sorted_keys, perm = torch.sort(keys, stable=True)
-    sorted_bags = bags[perm]
     idt = _index_dtype(N + 1)
+    grid = (triton.cdiv(N, RUN_STARTS_BLOCK),)
 
     flags = torch.empty(N, dtype=idt, device=device)
+    sorted_bags = torch.empty_like(bags)
     if N:
-        _run_flags_kernel[(triton.cdiv(N, RUN_STARTS_BLOCK),)](sorted_keys, flags, N, BLOCK=RUN_STARTS_BLOCK)
+        _run_flags_kernel[grid](sorted_keys, perm, bags, sorted_bags, flags, N, BLOCK=RUN_STARTS_BLOCK)
     run_count = torch.cumsum(flags, 0, dtype=idt)
     run_start = torch.full((N + 1,), N, dtype=idt, device=device)
     if N:
-        _run_starts_kernel[(triton.cdiv(N, RUN_STARTS_BLOCK),)](
-            sorted_keys, run_count, run_start, N, BLOCK=RUN_STARTS_BLOCK
-        )
+        _run_starts_kernel[grid](sorted_keys, run_count, run_start, N, BLOCK=RUN_STARTS_BLOCK)
     # Buckets are contiguous in key space, hence in slot space, hence in run space.
     bucket_slots = torch.searchsorted(sorted_keys, spec.tensors.bucket_key_bounds)
     bucket_run_bounds = torch.searchsorted(run_start, bucket_slots.to(idt))
 
     threshold, chunk = bcfg.short_threshold, bcfg.long_chunk
-    lens = run_start[1:] - run_start[:-1]
-    chunks_per_run = torch.where(lens >= threshold, (lens + (chunk - 1)) // chunk, 0)
-    run_chunk_begin = torch.zeros(N + 1, dtype=idt, device=device)
-    torch.cumsum(chunks_per_run, 0, dtype=idt, out=run_chunk_begin[1:])
+    chunk_counts = (torch.empty if N else torch.zeros)(N + 1, dtype=idt, device=device)
+    if N:
+        _run_chunks_kernel[grid](run_start, chunk_counts, N, threshold, chunk, BLOCK=RUN_STARTS_BLOCK)
+    # Inclusive sum after a leading 0: the first chunk of each run (exclusive prefix sum of chunks).
+    run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
     # Each long run has >= threshold lookups and cdiv(L, chunk) <= L / chunk + 1 chunks.
     max_chunks = N // chunk + N // threshold + 1
     slots = torch.arange(max_chunks, dtype=idt, device=device)
@@ -115,9 +129,8 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         sorted_keys=sorted_keys,
         perm=perm,
         sorted_bags=sorted_bags,
-        run_count=run_count,
+        bag_shift=bag_shift,
         run_start=run_start,
-        bucket_slot_bounds=bucket_slots,
         bucket_run_bounds=bucket_run_bounds,
         threshold=threshold,
         chunk=chunk,
