@@ -80,11 +80,9 @@ def _backward_short_kernel(
     lanes = tl.arange(0, TILE)
     r_lo = tl.load(bucket_run_bounds_ptr + bucket).to(tl.int64)
     r_hi = tl.load(bucket_run_bounds_ptr + bucket + 1).to(tl.int64)
-    s, L, act = _load_runs(run_start_ptr, r_lo + pid * TILE, r_hi, lanes, threshold)
-    bag, psw, key = _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, s, act, WEIGHTED)
     for r0 in range(r_lo + pid * TILE, r_hi, STRIDE):
-        # The next tile's run bounds, while this tile is reduced.
-        n_s, n_L, n_act = _load_runs(run_start_ptr, r0 + STRIDE, r_hi, lanes, threshold)
+        s, L, act = _load_runs(run_start_ptr, r0, r_hi, lanes, threshold)
+        bag, psw, key = _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, s, act, WEIGHTED)
         # Any slot's bag names a feature of the run's table, which is all locate_key_rows needs.
         w_row, state_row, D = locate_key_rows(
             key, feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
@@ -110,13 +108,10 @@ def _backward_short_kernel(
             )
             acc += g
             bag, psw = n_bag, n_psw
-        # The next tile's first bag ids and keys, in flight during this tile's update.
-        bag, psw, key = _load_heads(sorted_keys_ptr, sorted_bags_ptr, sorted_psw_ptr, n_s, n_act, WEIGHTED)
         apply_rows_update(
             w_ptrs, w, momentum_ptr + state_row, acc, umask, act, D, lr, eps, seed,
             (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
         )
-        s, L, act = n_s, n_L, n_act
 
 
 @triton.jit
