@@ -42,6 +42,7 @@ def test_knob_table_lookup():
         (("forward", "gather", {"default": 3}), "forward.gather values must be powers of two"),
         (("forward", "bag_lanes", {"default": 1, 32: 6}), "forward.bag_lanes values must be powers of two"),
         (("forward", "bag_lanes", {"default": 0}), "forward.bag_lanes values must be powers of two"),
+        (("forward", "bag_lanes_fp32", {"default": 3}), "forward.bag_lanes_fp32 values must be powers of two"),
         (("backward", "short_threshold", 0), "short_threshold must be >= 1"),
         (("backward", "long_path", "atomic"), "backward.long_path must be one of"),
         (("backward", "waves", -1), "backward.waves must be >= 0"),
@@ -94,7 +95,10 @@ def test_bag_lanes_default_to_the_sequential_path(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     assert load_named(str(path)).forward.bag_lanes == KnobTable(1)
     sm90 = load_named("sm90").forward.bag_lanes
-    assert sm90.get(32) > 1 and sm90.get(64) > 1 and sm90.get(128) == 1  # lanes where they were measured to win
+    assert sm90.get(32) > 1 and sm90.get(64) > 1 and sm90.get(128) == 2  # lanes where they were measured to win
+    fwd = load_named("sm90").forward
+    assert fwd.lanes(128, 2) == 2 and fwd.lanes(128, 4) == 1 and fwd.lanes(32, 4) == fwd.lanes(32, 2)
+    assert load_named(str(path)).forward.lanes(32, 4) == 1  # no fp32 table: bag_lanes
     # A config without long_path keeps the split (atomic-free) schedule.
     del doc["backward"]["long_path"]
     path.write_text(yaml.safe_dump(doc))

@@ -4,7 +4,8 @@
         [--grid KNOB=V1,V2 ...]
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
-the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D) and
+the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D;
+fp16 weights, so bag_lanes_fp32 is set by hand from fp32 runs) and
 the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm x waves), and
 (part ``route``) run metadata + fused update over the short/long threshold, the long chunk and the
 long-path schedule (split / fused), each the median of CUDA-event timings after a warm-up

@@ -51,6 +51,14 @@ class ForwardConfig:
     gather: KnobTable  # ids of each bag per step (by BLOCK_D)
     num_warps: KnobTable
     bag_lanes: KnobTable = KnobTable(1)  # bags pooled side by side (by BLOCK_D); 1: one bag at a time
+    # The same for fp32 weights, whose rows are twice as wide as fp16/bf16 rows of that BLOCK_D (None:
+    # bag_lanes). On the H200 two lanes at BLOCK_D=128 were 1.4x faster with fp16 weights and 1.4x
+    # slower with fp32 ones (docs/performance.md).
+    bag_lanes_fp32: Optional[KnobTable] = None
+
+    def lanes(self, block_d: int, weight_bytes: int) -> int:
+        table = self.bag_lanes_fp32 if weight_bytes >= 4 and self.bag_lanes_fp32 is not None else self.bag_lanes
+        return table.get(block_d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,8 @@ class KernelConfig:
                 num_warps=KnobTable.parse(f["num_warps"], "forward.num_warps"),
                 # Absent in configs written before the lanes mode: the sequential path.
                 bag_lanes=KnobTable.parse(f.get("bag_lanes", 1), "forward.bag_lanes"),
+                bag_lanes_fp32=(KnobTable.parse(f["bag_lanes_fp32"], "forward.bag_lanes_fp32")
+                                if "bag_lanes_fp32" in f else None),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -165,6 +175,7 @@ class KernelConfig:
             ("forward.gather", self.forward.gather),
             ("forward.num_warps", self.forward.num_warps),
             ("forward.bag_lanes", self.forward.bag_lanes),
+            ("forward.bag_lanes_fp32", self.forward.bag_lanes_fp32 or KnobTable(1)),
             ("backward.tile", self.backward.tile),
             ("backward.num_warps", self.backward.num_warps),
         ]:

@@ -5,15 +5,20 @@ with plain stores: no atomics, no workspace, no scan, no run crossing a program 
 
 Why runs as rows and not sorted slots as rows: with slots as rows, every row needs its run's head,
 end and owner, a segmented scan joins the slots of a run, and a run crossing the tile's end needs a
-tail loop; on the H200 that kernel was instruction-bound (Nsight Compute, 2026-11-30: ~178 warp
-instructions per lookup, the scheduler issuing on a third of its cycles). Here a lookup costs its bag
-id, its gradient row and one add per element; the price is masked steps in tiles whose runs differ in
+tail loop; on the H200 that kernel was instruction-bound (Nsight Compute, 2026-11-30, on two variants
+of it: 166-224 registers per thread, 12-17 % occupancy, DRAM 24-35 % busy, ~178 warp instructions per
+lookup). This kernel executes half as many on the same batch (89 per lookup, 3.63 -> 2.26 ms; the
+numbers are in docs/results/tuning-2026-11-30c.json). Here a lookup costs its bag id, its gradient row
+and one add per element; the price is masked steps in tiles whose runs differ in
 length (a tile runs as many steps as its longest short run), which the short/long threshold bounds.
 
-Latency: the run bounds of the next tile and the bag ids of the next step are loaded one step ahead,
-so a step waits on one memory round trip (its gradient rows), and the weight rows of the tile's runs
-are loaded with its first step's rows. Rows are summed in slot order (batch order within a run: the
-sort is stable), so the result is deterministic.
+Latency: the bag ids of the next step are loaded one step ahead, so a step waits on one memory round
+trip (its gradient rows), and the weight rows of the tile's runs are loaded with its first step's
+rows. Each tile loads its own run bounds and first bag ids: carrying them over from the previous
+iteration (a prefetch) bought nothing measurable on the H200 and, compiled by Triton 3.6, updated ~3 %
+of the rows with wrong sums under EXACT_SGD (tests/gpu: test_many_tiles_per_program_match_fbgemm_cuda).
+Rows are summed in slot order (batch order within a run: the sort is stable), so the result is
+deterministic.
 
 Byte accounting per short run of length L: L * (4-8 B bag id [+ 4 B psw] + one gradient row) + its
 bounds and key (12-16 B) + one weight row read and written + row-wise state 8 B. Persistent grid:

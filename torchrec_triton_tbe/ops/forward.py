@@ -52,7 +52,7 @@ def pooled_forward(
         if len(bucket.features) > MAX_GRID_Y:
             raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
         bd, bags = bucket.block_d, cfg.bags_per_program
-        lanes, gather = cfg.bag_lanes.get(bd), cfg.gather.get(bd)
+        lanes, gather = cfg.lanes(bd, weights.element_size()), cfg.gather.get(bd)
         if lanes > 1:
             gather = lanes_gather(gather, indices.numel(), B * plan.num_features)
         _pooled_forward_kernel[(triton.cdiv(B, bags * lanes), len(bucket.features))](
