@@ -147,15 +147,16 @@ def fused_update(
             tensors.feature_row_offset,
             tensors.feature_dim,
         )
+        # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
+        chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
+        modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
+        optim_state = (state.weights, momentum, state.learning_rate, state.step)
         _launch_persistent(
             _backward_short_kernel,
             bcfg,
             device,
             (
-                state.weights,
-                momentum,
-                state.learning_rate,
-                state.step,
+                *optim_state,
                 grad_out,
                 runs.sorted_keys,
                 runs.sorted_bags,
@@ -171,13 +172,7 @@ def fused_update(
                 runs.threshold,
                 state.eps,
             ),
-            dict(
-                POOLING_MEAN=spec.pooling_mean,
-                WEIGHTED=weighted,
-                TILE=tile,
-                **update,
-                **common,
-            ),
+            dict(**modes, **update, **common),
         )
         if fused_long:
             _launch_persistent(
@@ -185,10 +180,7 @@ def fused_update(
                 bcfg,
                 device,
                 (
-                    state.weights,
-                    momentum,
-                    state.learning_rate,
-                    state.step,
+                    *optim_state,
                     partials,
                     counters,
                     grad_out,
@@ -196,10 +188,7 @@ def fused_update(
                     runs.sorted_bags,
                     sorted_psw,
                     offsets,
-                    runs.run_start,
-                    runs.chunk_run,
-                    runs.run_chunk_begin,
-                    runs.bucket_chunk_bounds,
+                    *chunk_tables,
                     *layout,
                     k,
                     B,
@@ -209,13 +198,7 @@ def fused_update(
                     partial_stride,
                     state.eps,
                 ),
-                dict(
-                    POOLING_MEAN=spec.pooling_mean,
-                    WEIGHTED=weighted,
-                    TILE=tile,
-                    **update,
-                    **common,
-                ),
+                dict(**modes, **update, **common),
             )
             continue
         _launch_persistent(
@@ -228,10 +211,7 @@ def fused_update(
                 runs.sorted_bags,
                 sorted_psw,
                 offsets,
-                runs.run_start,
-                runs.chunk_run,
-                runs.run_chunk_begin,
-                runs.bucket_chunk_bounds,
+                *chunk_tables,
                 tensors.feature_out_offset,
                 tensors.feature_dim,
                 k,
@@ -241,29 +221,18 @@ def fused_update(
                 runs.chunk,
                 partial_stride,
             ),
-            dict(
-                POOLING_MEAN=spec.pooling_mean,
-                WEIGHTED=weighted,
-                TILE=tile,
-                **common,
-            ),
+            dict(**modes, **common),
         )
         _launch_persistent(
             _backward_long_apply_kernel,
             bcfg,
             device,
             (
-                state.weights,
-                momentum,
-                state.learning_rate,
-                state.step,
+                *optim_state,
                 partials,
                 runs.sorted_keys,
                 runs.sorted_bags,
-                runs.run_start,
-                runs.chunk_run,
-                runs.run_chunk_begin,
-                runs.bucket_chunk_bounds,
+                *chunk_tables,
                 tensors.feature_key_offset,
                 tensors.feature_weight_offset,
                 tensors.feature_row_offset,
@@ -274,9 +243,5 @@ def fused_update(
                 partial_stride,
                 state.eps,
             ),
-            dict(
-                TILE=tile,
-                **update,
-                **common,
-            ),
+            dict(TILE=tile, **update, **common),
         )
