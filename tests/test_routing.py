@@ -1,4 +1,4 @@
-"""Knobs change speed, never results: the short/long threshold, the long-run chunk, the slot tile, the
+"""Knobs change speed, never results: the short/long threshold, the long-run chunk, the tile, the
 persistent grid size and the forward's gather width and bags per program all give the same weights
 (to fp32 rounding: split-K sums in another order); repeated runs are bitwise identical."""
 

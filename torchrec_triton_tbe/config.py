@@ -76,7 +76,7 @@ LONG_PATHS = ("split", "fused")
 class BackwardConfig:
     short_threshold: int  # runs with at least this many lookups take the long (split-K) path
     long_chunk: int  # lookups per split-K chunk of a long run
-    tile: KnobTable  # sorted slots gathered side by side per program step (by BLOCK_D)
+    tile: KnobTable  # by BLOCK_D: short runs side by side per program (short kernel), slots per step (long path)
     num_warps: KnobTable
     programs: int  # persistent grid size when programs_per_sm == 0
     programs_per_sm: int
