@@ -1,0 +1,74 @@
+"""ops/transpose.py: the run plan against a plain PyTorch derivation of the same tables (sort keys,
+bag ids, run starts, split-K chunks), and the bag-id encoding's width choice."""
+
+import pytest
+import torch
+
+from tbe_cases import make_pair, skewed_batch
+from torchrec_triton_tbe.config import load_named
+from torchrec_triton_tbe.ops import transpose as tr_ops
+
+SPECS = [(30, 8), (20, 12)]
+FTM = [0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "num_features,B,shift,dtype",
+    [
+        (1, 1, 1, torch.int32),
+        (3, 2, 1, torch.int32),
+        (3, 3, 2, torch.int32),
+        (32, 512, 9, torch.int32),
+        (32, 513, 10, torch.int32),
+        (2**15, 2**16, 16, torch.int32),  # (t << 16) | b fills 31 bits exactly
+        (2**15 + 1, 2**16, 16, torch.int64),
+    ],
+)
+def test_bag_code_width(num_features, B, shift, dtype):
+    assert tr_ops.bag_code(num_features, B) == (shift, dtype)
+    # Every (t, b) fits and decodes: b in the low `shift` bits, t above them.
+    s, _ = tr_ops.bag_code(num_features, B)
+    assert B - 1 < 2**s and ((num_features - 1) << s | (B - 1)) < (2**31 if dtype == torch.int32 else 2**63)
+
+
+@pytest.mark.parametrize("threshold,chunk", [(1, 1), (3, 2), (4, 3), (10**9, 4)])
+def test_run_plan_matches_a_torch_derivation(threshold, chunk):
+    cfg = load_named("interpreter").replace_backward(short_threshold=threshold, long_chunk=chunk)
+    ours, _ = make_pair(SPECS, FTM, kernel_config=cfg)
+    B = 9
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B, 6, torch.Generator().manual_seed(3))
+    runs = tr_ops.build_runs(ours.spec, batch.indices, batch.offsets, B)
+    N = batch.indices.numel()
+
+    # Lookup p of bag (t, b): key = the table's key offset + id; stable sort by key.
+    lengths = batch.offsets[1:] - batch.offsets[:-1]
+    bag_of = torch.repeat_interleave(torch.arange(len(FTM) * B), lengths)
+    t_of, b_of = bag_of // B, bag_of % B
+    keys = ours.spec.tensors.feature_key_offset[t_of] + batch.indices
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    assert torch.equal(runs.sorted_keys.to(torch.int64), sorted_keys)
+    assert torch.equal(runs.perm, perm)
+    code = runs.sorted_bags.to(torch.int64)
+    assert torch.equal(code >> runs.bag_shift, t_of[perm])
+    assert torch.equal(code & ((1 << runs.bag_shift) - 1), b_of[perm])
+
+    # Runs: starts where the key changes, N past the last run.
+    heads = torch.ones(N, dtype=torch.bool)
+    heads[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    starts = torch.nonzero(heads).flatten()
+    expected_start = torch.full((N + 1,), N, dtype=torch.int64)
+    expected_start[: starts.numel()] = starts
+    assert torch.equal(runs.run_start.to(torch.int64), expected_start)
+
+    # Split-K chunks: cdiv(L, chunk) for runs of at least `threshold` lookups, in run order.
+    lens = expected_start[1:] - expected_start[:-1]
+    per_run = torch.where(lens >= threshold, (lens + chunk - 1) // chunk, 0)
+    begin = torch.zeros(N + 1, dtype=torch.int64)
+    begin[1:] = per_run.cumsum(0)
+    assert torch.equal(runs.run_chunk_begin.to(torch.int64), begin)
+    total = int(begin[-1])
+    chunk_run = torch.repeat_interleave(torch.arange(N), per_run)
+    assert torch.equal(runs.chunk_run[:total].to(torch.int64), chunk_run)
+    assert runs.max_chunks >= total
+    stats = runs.stats()
+    assert stats["runs"] == starts.numel() and stats["long_chunks"] == total
