@@ -59,10 +59,7 @@ def _backward_long_partials_kernel(
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
     for c in range(c_begin + pid, c_end, NPROG):
-        r = tl.load(chunk_run_ptr + c)
-        first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
-        s = tl.load(run_start_ptr + r).to(tl.int64) + (c - first_chunk) * chunk
-        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+        r, first_chunk, run_s, s, e = _chunk_slots(c, chunk_run_ptr, run_chunk_begin_ptr, run_start_ptr, chunk)
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
             s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
@@ -176,12 +173,8 @@ def _backward_long_fused_kernel(
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
     for c in range(c_begin + pid, c_end, NPROG):
-        r = tl.load(chunk_run_ptr + c)
-        first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+        r, first_chunk, run_s, s, e = _chunk_slots(c, chunk_run_ptr, run_chunk_begin_ptr, run_start_ptr, chunk)
         last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
-        run_s = tl.load(run_start_ptr + r).to(tl.int64)
-        s = run_s + (c - first_chunk) * chunk
-        e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
             s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
@@ -198,6 +191,18 @@ def _backward_long_fused_kernel(
                 run_s, first_chunk, last_chunk, B, bag_shift, partial_stride, lr, eps, seed, cols, OPTIM,
                 SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
             )
+
+
+@triton.jit
+def _chunk_slots(c, chunk_run_ptr, run_chunk_begin_ptr, run_start_ptr, chunk):
+    """Chunk c of a long run: (its run r, the run's first chunk, the run's first slot, and the chunk's
+    sorted slots [s, e))."""
+    r = tl.load(chunk_run_ptr + c)
+    first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+    run_s = tl.load(run_start_ptr + r).to(tl.int64)
+    s = run_s + (c - first_chunk) * chunk
+    e = tl.minimum(s + chunk, tl.load(run_start_ptr + r + 1).to(tl.int64))
+    return r, first_chunk, run_s, s, e
 
 
 @triton.jit
