@@ -227,7 +227,7 @@ def test_persistent_grid_fills_whole_waves(monkeypatch):
     bcfg = load_named("sm90").backward
     kernel, dev = FakeKernel(), torch.device("cuda")
     for tile in (8, 8, 16, 16):
-        bwd_ops._launch_persistent(kernel, bcfg, dev, (torch.empty(1), 3), dict(TILE=tile))
+        bwd_ops._launch_persistent(kernel, bcfg, dev, (torch.empty(1), 3), dict(TILE=tile), 1)
     first = bcfg.programs_per_sm * 132
     assert launches == [
         (first, first, 8), (bcfg.waves * 132 * 12, bcfg.waves * 132 * 12, 8),

@@ -25,6 +25,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 )
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
+from torchrec_triton_tbe.ops.launch import arg_key, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan
 
@@ -44,7 +45,9 @@ class OptimizerTensors:
 _WAVE_GRID: dict = {}
 
 
-def _launch_persistent(kernel, bcfg: BackwardConfig, device: torch.device, args: tuple, kwargs: dict) -> None:
+def _launch_persistent(
+    kernel, bcfg: BackwardConfig, device: torch.device, args: tuple, constexprs: dict, num_warps: int
+) -> None:
     """Launch a persistent kernel whose last positional argument is its program count NPROG.
 
     A persistent grid larger than what the SMs hold at once runs in waves, and the last, partial wave
@@ -52,14 +55,14 @@ def _launch_persistent(kernel, bcfg: BackwardConfig, device: torch.device, args:
     kernel: a third of the last wave's slots empty). So once a specialization is compiled, its grid is
     `waves` full waves from its actual occupancy; the first launch uses the configured grid. Which
     program takes which tile or chunk never changes a result, only the speed."""
-    key = (kernel, device, bcfg.waves, tuple(sorted(kwargs.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
-    nprog = (_WAVE_GRID.get(key) if bcfg.waves > 0 else None) or bcfg.grid_programs(device)
-    compiled = kernel[(nprog,)](*args, nprog, **kwargs)
-    if bcfg.waves > 0 and key not in _WAVE_GRID and device.type == "cuda" and getattr(compiled, "n_regs", 0):
+    key = arg_key(args)
+    site = (kernel, device, bcfg.waves, num_warps, tuple(constexprs.items()), key)
+    nprog = (_WAVE_GRID.get(site) if bcfg.waves > 0 else None) or bcfg.grid_programs(device)
+    compiled = launch(kernel, (nprog,), (*args, nprog), constexprs, num_warps, key=key + arg_key((nprog,)))
+    if bcfg.waves > 0 and site not in _WAVE_GRID and device.type == "cuda" and getattr(compiled, "n_regs", 0):
         props = torch.cuda.get_device_properties(device)
         per_sm = resident_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, props)
-        _WAVE_GRID[key] = bcfg.waves * props.multi_processor_count * per_sm
+        _WAVE_GRID[site] = bcfg.waves * props.multi_processor_count * per_sm
 
 
 def psw_grad(
@@ -78,27 +81,34 @@ def psw_grad(
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
             continue
-        _psw_grad_kernel[(triton.cdiv(B, cfg.bags_per_program), len(bucket.features))](
-            weights,
-            indices,
-            offsets,
-            grad_out,
-            grad,
-            tensors.bucket_features[k],
-            tensors.feature_dim,
-            tensors.feature_weight_offset,
-            tensors.feature_out_offset,
-            feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
-            B,
-            plan.total_D,
-            POOLING_MEAN=spec.pooling_mean,
-            HAS_FEATURE_MASK=feature_requires_grad is not None,
-            EVEN_D=spec.bucket_even_d[k],
-            ALIGN=spec.bucket_align[k],
-            BLOCK_D=bucket.block_d,
-            GATHER=cfg.gather.get(bucket.block_d),
-            BAGS=cfg.bags_per_program,
-            num_warps=tile_warps(cfg.num_warps.get(bucket.block_d), cfg.gather.get(bucket.block_d) * bucket.block_d),
+        gather = cfg.gather.get(bucket.block_d)
+        launch(
+            _psw_grad_kernel,
+            (triton.cdiv(B, cfg.bags_per_program), len(bucket.features)),
+            (
+                weights,
+                indices,
+                offsets,
+                grad_out,
+                grad,
+                tensors.bucket_features[k],
+                tensors.feature_dim,
+                tensors.feature_weight_offset,
+                tensors.feature_out_offset,
+                feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
+                B,
+                plan.total_D,
+            ),
+            dict(
+                POOLING_MEAN=spec.pooling_mean,
+                HAS_FEATURE_MASK=feature_requires_grad is not None,
+                EVEN_D=spec.bucket_even_d[k],
+                ALIGN=spec.bucket_align[k],
+                BLOCK_D=bucket.block_d,
+                GATHER=gather,
+                BAGS=cfg.bags_per_program,
+            ),
+            tile_warps(cfg.num_warps.get(bucket.block_d), gather * bucket.block_d),
         )
     return grad
 
@@ -137,8 +147,8 @@ def fused_update(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
             BLOCK_D=bd,
-            num_warps=tile_warps(bcfg.num_warps.get(bd), tile * bd),
         )
+        warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
         update = dict(OPTIM=int(spec.optimizer), SR_DROP_BITS=spec.sr_drop_bits)
         layout = (
             tensors.feature_out_offset,
@@ -173,6 +183,7 @@ def fused_update(
                 state.eps,
             ),
             dict(**modes, **update, **common),
+            warps,
         )
         if fused_long:
             _launch_persistent(
@@ -199,6 +210,7 @@ def fused_update(
                     state.eps,
                 ),
                 dict(**modes, **update, **common),
+                warps,
             )
             continue
         _launch_persistent(
@@ -222,6 +234,7 @@ def fused_update(
                 partial_stride,
             ),
             dict(**modes, **common),
+            warps,
         )
         _launch_persistent(
             _backward_long_apply_kernel,
@@ -244,4 +257,5 @@ def fused_update(
                 state.eps,
             ),
             dict(TILE=tile, **update, **common),
+            warps,
         )

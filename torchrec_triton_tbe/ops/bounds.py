@@ -21,6 +21,7 @@ import torch
 import triton
 
 from torchrec_triton_tbe.kernels.bounds import CHECK_ONLY, REPAIR_COUNT, REPAIR_SILENT, _check_indices_kernel
+from torchrec_triton_tbe.ops.launch import launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,18 +71,12 @@ def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning
     cfg = spec.config.forward
     bags = cfg.bags_per_program
     grid = (triton.cdiv(B, bags), spec.plan.num_features)
-    _check_indices_kernel[grid](
-        indices,
-        offsets,
-        spec.tensors.feature_rows,
-        warning,
-        first_bad,
-        B,
-        indices.numel(),
-        MODE=mode,
-        GATHER=cfg.gather.default,
-        BAGS=bags,
-        num_warps=1,
+    launch(
+        _check_indices_kernel,
+        grid,
+        (indices, offsets, spec.tensors.feature_rows, warning, first_bad, B, indices.numel()),
+        dict(MODE=mode, GATHER=cfg.gather.default, BAGS=bags),
+        1,
     )
 
 

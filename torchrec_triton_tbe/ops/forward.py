@@ -10,6 +10,7 @@ import triton
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
+from torchrec_triton_tbe.ops.launch import launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
@@ -55,30 +56,36 @@ def pooled_forward(
         lanes, gather = cfg.lanes(bd, weights.element_size()), cfg.gather.get(bd)
         if lanes > 1:
             gather = lanes_gather(gather, indices.numel(), B * plan.num_features)
-        _pooled_forward_kernel[(triton.cdiv(B, bags * lanes), len(bucket.features))](
-            weights,
-            indices,
-            offsets,
-            per_sample_weights if per_sample_weights is not None else weights,
-            out,
-            tensors.bucket_features[k],
-            tensors.feature_dim,
-            tensors.feature_weight_offset,
-            tensors.feature_out_offset,
-            tensors.feature_rows,
-            warning,
-            B,
-            plan.total_D,
-            POOLING_MEAN=spec.pooling_mean,
-            WEIGHTED=per_sample_weights is not None,
-            BOUNDS_MODE=mode,
-            ACC_FP64=spec.weights_dtype == torch.float32,
-            EVEN_D=spec.bucket_even_d[k],
-            ALIGN=spec.bucket_align[k],
-            BLOCK_D=bd,
-            GATHER=gather,
-            BAGS=bags,
-            LANES=lanes,
-            num_warps=tile_warps(cfg.num_warps.get(bd), lanes * gather * bd),
+        launch(
+            _pooled_forward_kernel,
+            (triton.cdiv(B, bags * lanes), len(bucket.features)),
+            (
+                weights,
+                indices,
+                offsets,
+                per_sample_weights if per_sample_weights is not None else weights,
+                out,
+                tensors.bucket_features[k],
+                tensors.feature_dim,
+                tensors.feature_weight_offset,
+                tensors.feature_out_offset,
+                tensors.feature_rows,
+                warning,
+                B,
+                plan.total_D,
+            ),
+            dict(
+                POOLING_MEAN=spec.pooling_mean,
+                WEIGHTED=per_sample_weights is not None,
+                BOUNDS_MODE=mode,
+                ACC_FP64=spec.weights_dtype == torch.float32,
+                EVEN_D=spec.bucket_even_d[k],
+                ALIGN=spec.bucket_align[k],
+                BLOCK_D=bd,
+                GATHER=gather,
+                BAGS=bags,
+                LANES=lanes,
+            ),
+            tile_warps(cfg.num_warps.get(bd), lanes * gather * bd),
         )
     return out

@@ -1,0 +1,112 @@
+"""ops/launch.py: the cached launch path keys compiled kernels on every property Triton specializes
+on, replays a hit through the compiled kernel's launcher with the constexprs in signature order, and
+recompiles (through kernel[grid]) whenever a property changes. On CPU the GPU side is faked; the GPU
+tests run every kernel through the real thing (each launch after the first is a cache hit)."""
+
+import types
+
+import pytest
+import torch
+
+from torchrec_triton_tbe.ops import launch as launch_mod
+
+
+def test_arg_key_separates_what_triton_specializes_on():
+    buf = torch.zeros(64, dtype=torch.float32)
+    keys = [
+        launch_mod.arg_key((x,))
+        for x in (1, 2, 16, 32, -16, 2**31, True, 1.0, None, buf, buf[4:], buf[1:], buf.to(torch.float16))
+    ]
+    # 16, 32 and -16 share a key (divisible by 16, 32-bit), as buf and buf[4:] do (16-byte aligned).
+    assert keys[2] == keys[3] == keys[4] and keys[9] == keys[10]
+    distinct = [k for i, k in enumerate(keys) if i not in (3, 4, 10)]
+    assert len(set(distinct)) == len(distinct)
+    # A value in the key changes only with what Triton looks at: not 2 -> 3, not one aligned buffer -> another.
+    assert launch_mod.arg_key((2, buf)) == launch_mod.arg_key((3, torch.ones(8)))
+
+
+class _FakeCompiled:
+    def __init__(self, calls):
+        self.calls = calls
+        self.function = "fn"
+        self.packed_metadata = "meta"
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("lm", grid)
+
+    def run(self, *args):
+        self.calls.append(("run", args))
+
+
+class _FakeKernel:
+    """Parameters (a, b, N, BLOCK: constexpr, MODE: constexpr = 7)."""
+
+    def __init__(self):
+        self.calls = []
+        self.params = [types.SimpleNamespace(name=n, default=d) for n, d in
+                       (("a", None), ("b", None), ("N", None), ("BLOCK", None), ("MODE", 7))]
+
+    def __getitem__(self, grid):
+        def compile_and_run(*args, **kwargs):
+            self.calls.append(("jit", grid, args, kwargs))
+            return _FakeCompiled(self.calls)
+
+        return compile_and_run
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    driver = types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
+    )
+    monkeypatch.setattr(launch_mod, "driver", driver)
+    monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
+    monkeypatch.setattr(launch_mod, "_COMPILED", {})
+
+
+def test_hit_replays_through_the_compiled_launcher(fake_gpu):
+    kernel = _FakeKernel()
+    a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    first = launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2)
+    assert kernel.calls == [("jit", (5,), (a, b, 32), dict(BLOCK=64, num_warps=2))]
+    kernel.calls.clear()
+    a2, b2 = torch.ones(8), torch.ones(8, dtype=torch.int32)
+    assert launch_mod.launch(kernel, (3, 2), (a2, b2, 48), dict(BLOCK=64), 2) is first
+    (tag, args), = first.calls[-1:]
+    assert tag == "run"
+    # grid (x, y, z), stream, function, packed metadata, launch metadata, two hooks, then every
+    # parameter in signature order: the runtime ones, BLOCK, MODE's default.
+    assert args[:6] == (3, 2, 1, 1234, "fn", "meta")
+    assert args[6] == ("lm", (3, 2))
+    assert args[9:11] == (a2, b2) and args[11:] == (48, 64, 7)
+    assert [c[0] for c in kernel.calls] == ["run"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a, b, n, cx, w: (a[1:], b, n, cx, w),  # misaligned pointer
+        lambda a, b, n, cx, w: (a.double(), b, n, cx, w),  # dtype
+        lambda a, b, n, cx, w: (a, b, 33, cx, w),  # no longer divisible by 16
+        lambda a, b, n, cx, w: (a, b, 1, cx, w),  # equal to 1
+        lambda a, b, n, cx, w: (a, b, 2**40, cx, w),  # 64-bit
+        lambda a, b, n, cx, w: (a, b, n, dict(BLOCK=128), w),  # constexpr
+        lambda a, b, n, cx, w: (a, b, n, cx, 4),  # num_warps
+    ],
+)
+def test_any_specialization_change_recompiles(fake_gpu, change):
+    kernel = _FakeKernel()
+    base = (torch.zeros(8), torch.zeros(8, dtype=torch.int32), 32, dict(BLOCK=64), 2)
+    launch_mod.launch(kernel, (1,), base[:3], base[3], base[4])
+    a, b, n, cx, w = change(*base)
+    kernel.calls.clear()
+    launch_mod.launch(kernel, (1,), (a, b, n), cx, w)
+    assert [c[0] for c in kernel.calls] == ["jit"]
+
+
+def test_interpreter_always_goes_through_the_jit(monkeypatch):
+    kernel = _FakeKernel()
+    monkeypatch.setattr(launch_mod, "_INTERPRETED", True)
+    for _ in range(2):
+        launch_mod.launch(kernel, (1,), (torch.zeros(8), torch.zeros(8), 16), dict(BLOCK=8), 1)
+    assert [c[0] for c in kernel.calls] == ["jit", "jit"]
