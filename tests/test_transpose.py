@@ -70,5 +70,13 @@ def test_run_plan_matches_a_torch_derivation(threshold, chunk):
     chunk_run = torch.repeat_interleave(torch.arange(N), per_run)
     assert torch.equal(runs.chunk_run[:total].to(torch.int64), chunk_run)
     assert runs.max_chunks >= total
+
+    # Buckets own contiguous key ranges, hence contiguous runs and chunks: bucket k's runs start at the
+    # first run whose key reaches its key bound (the run count when none does).
+    bounds = ours.spec.tensors.bucket_key_bounds.to(torch.int64)
+    assert bounds.numel() == 3  # two buckets (BLOCK_D 8 and 16)
+    run_bounds = torch.searchsorted(sorted_keys[starts], bounds)
+    assert torch.equal(runs.bucket_run_bounds.to(torch.int64), run_bounds)
+    assert torch.equal(runs.bucket_chunk_bounds.to(torch.int64), begin[run_bounds])
     stats = runs.stats()
     assert stats["runs"] == starts.numel() and stats["long_chunks"] == total

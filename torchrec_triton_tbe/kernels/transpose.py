@@ -68,24 +68,13 @@ def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, flag
 
 
 @triton.jit
-def _run_chunks_kernel(run_start_ptr, chunk_counts_ptr, N, threshold, chunk, BLOCK: tl.constexpr):
-    """chunk_counts[0] = 0 and chunk_counts[r + 1] = the split-K chunks of run r: cdiv(L, chunk) when
-    its length L reaches the threshold, else 0 (runs past the last have L = 0). Their inclusive sum is
-    each run's first chunk."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = r < N
-    L = tl.load(run_start_ptr + r + 1, mask=m, other=0) - tl.load(run_start_ptr + r, mask=m, other=0)
-    c = tl.where(L >= threshold, (L + (chunk - 1)) // chunk, 0)
-    tl.store(chunk_counts_ptr + r + 1, c.to(chunk_counts_ptr.dtype.element_ty), mask=m)
-    tl.store(chunk_counts_ptr + r, tl.zeros_like(c).to(chunk_counts_ptr.dtype.element_ty), mask=r == 0)
-
-
-@triton.jit
 def _run_starts_kernel(sorted_keys_ptr, run_count_ptr, run_start_ptr, N, BLOCK: tl.constexpr):
     """
-    Grid: [cdiv(N, BLOCK)]. run_count[i] is the inclusive count of run starts up to slot i, so the
+    Grid: [cdiv(N + 1, BLOCK)]. run_count[i] is the inclusive count of run starts up to slot i, so the
     run starting at i is number run_count[i] - 1 and run_start[run_count[i] - 1] = i. Every run start
-    is written by exactly one program: no atomics, deterministic.
+    is written by exactly one program: no atomics, deterministic. Entries past the last run are N (run
+    r ends where run r + 1 starts); program p writes those of its index block, which never holds a
+    start (a start's index is below the run count).
     """
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -94,3 +83,97 @@ def _run_starts_kernel(sorted_keys_ptr, run_count_ptr, run_start_ptr, N, BLOCK: 
     head = m & ((i == 0) | (key != prev))
     r = tl.load(run_count_ptr + i, mask=head, other=1) - 1
     tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
+    num_runs = tl.load(run_count_ptr + N - 1)
+    tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
+
+
+@triton.jit
+def _run_chunks_kernel(
+    run_start_ptr,
+    sorted_keys_ptr,
+    bucket_key_bounds_ptr,
+    chunk_counts_ptr,
+    bucket_run_bounds_ptr,
+    N,
+    threshold,
+    chunk,
+    num_bounds,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """
+    Grid: [cdiv(N + 1, BLOCK)], one lane per run r in [0, N].
+    chunk_counts[0] = 0 and chunk_counts[r + 1] = the split-K chunks of run r: cdiv(L, chunk) when its
+    length L reaches the threshold, else 0 (runs past the last have L = 0). Their inclusive sum is
+    each run's first chunk.
+    bucket_run_bounds[k] = the first run whose key is >= bucket_key_bounds[k] (the run count if
+    none): the one r where run r - 1's key is below the bound and run r's key (or the end) is not.
+    Buckets are contiguous in key space, so bucket k owns runs [bounds[k], bounds[k + 1]).
+    """
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = r < N
+    in_range = r <= N
+    rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
+    re = tl.load(run_start_ptr + r + 1, mask=m, other=N).to(tl.int64)
+    L = re - rs
+    c = tl.where(m & (L >= threshold), (L + (chunk - 1)) // chunk, 0)
+    tl.store(chunk_counts_ptr + r + 1, c.to(chunk_counts_ptr.dtype.element_ty), mask=m)
+    tl.store(chunk_counts_ptr + r, tl.zeros_like(c).to(chunk_counts_ptr.dtype.element_ty), mask=r == 0)
+
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_bounds
+    bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
+    live = rs < N
+    key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
+    prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
+    prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
+    below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
+    reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
+    hit = below & reaches & in_range[:, None] & kmask[None, :]
+    tl.store(
+        bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
+        (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
+        mask=hit,
+    )
+
+
+@triton.jit
+def _chunk_runs_kernel(
+    run_chunk_begin_ptr,
+    bucket_run_bounds_ptr,
+    chunk_run_ptr,
+    bucket_chunk_bounds_ptr,
+    N,
+    steps,
+    num_bounds,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """
+    Grid: [cdiv(max_chunks, BLOCK)], one lane per chunk slot c. chunk_run[c] = the run owning live
+    chunk c (c < run_chunk_begin[N]): the number of runs whose chunks all lie at or below c, found by
+    a binary search of `steps` = bit_length(N) halvings over run_chunk_begin[1..N]; slots past the
+    live chunks are not written (the long-path kernels stop at bucket_chunk_bounds[K]). Program 0
+    also writes bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]].
+    """
+    pid = tl.program_id(0)
+    if pid == 0:
+        kk = tl.arange(0, BLOCK_K)
+        kmask = kk < num_bounds
+        rb = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=0)
+        first = tl.load(run_chunk_begin_ptr + rb, mask=kmask, other=0)
+        tl.store(bucket_chunk_bounds_ptr + kk, first.to(bucket_chunk_bounds_ptr.dtype.element_ty), mask=kmask)
+    total = tl.load(run_chunk_begin_ptr + N).to(tl.int64)
+    if pid.to(tl.int64) * BLOCK < total:
+        c = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = c < total
+        lo = tl.zeros([BLOCK], dtype=tl.int64)
+        hi = tl.zeros([BLOCK], dtype=tl.int64) + N
+        for _ in range(steps):
+            active = m & (lo < hi)
+            mid = (lo + hi) >> 1
+            ends = tl.load(run_chunk_begin_ptr + mid + 1, mask=active, other=0).to(tl.int64)
+            right = ends <= c
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & ~right, mid, hi)
+        tl.store(chunk_run_ptr + c, lo.to(chunk_run_ptr.dtype.element_ty), mask=m)

@@ -13,11 +13,13 @@ import torch
 import triton
 
 from torchrec_triton_tbe.kernels.transpose import (
+    _chunk_runs_kernel,
     _linearize_kernel,
     _run_chunks_kernel,
     _run_flags_kernel,
     _run_starts_kernel,
 )
+from torchrec_triton_tbe.ops.launch import launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 RUN_STARTS_BLOCK = 1024
@@ -38,7 +40,7 @@ class RunPlan:
     chunk: int
     max_chunks: int  # upper bound of long-run chunks (workspace rows)
     run_chunk_begin: torch.Tensor  # [N + 1] first chunk of each run (exclusive prefix sum)
-    chunk_run: torch.Tensor  # [max_chunks] run of each chunk (>= N for unused slots)
+    chunk_run: torch.Tensor  # [max_chunks] run of each live chunk (slots from run_chunk_begin[N] on: unset)
     bucket_chunk_bounds: torch.Tensor  # [K + 1] bucket k owns chunks [b[k], b[k+1])
 
     def stats(self) -> dict:
@@ -76,17 +78,12 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     bag_shift, bag_dtype = bag_code(plan.num_features, B)
     bags = torch.empty(N, dtype=bag_dtype, device=indices.device)
     if N and B:
-        _linearize_kernel[(triton.cdiv(B, cfg.bags_per_program), plan.num_features)](
-            indices,
-            offsets,
-            spec.tensors.feature_key_offset,
-            keys,
-            bags,
-            B,
-            bag_shift,
-            BLOCK_BAGS=cfg.bags_per_program,
-            STEP=cfg.lookups_per_step,
-            num_warps=cfg.num_warps,
+        launch(
+            _linearize_kernel,
+            (triton.cdiv(B, cfg.bags_per_program), plan.num_features),
+            (indices, offsets, spec.tensors.feature_key_offset, keys, bags, B, bag_shift),
+            dict(BLOCK_BAGS=cfg.bags_per_program, STEP=cfg.lookups_per_step),
+            cfg.num_warps,
         )
     return keys, bags, bag_shift
 
@@ -99,31 +96,48 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
     sorted_keys, perm = torch.sort(keys, stable=True)
     idt = _index_dtype(N + 1)
-    grid = (triton.cdiv(N, RUN_STARTS_BLOCK),)
-
-    flags = torch.empty(N, dtype=idt, device=device)
-    sorted_bags = torch.empty_like(bags)
-    if N:
-        _run_flags_kernel[grid](sorted_keys, perm, bags, sorted_bags, flags, N, BLOCK=RUN_STARTS_BLOCK)
-    run_count = torch.cumsum(flags, 0, dtype=idt)
-    run_start = torch.full((N + 1,), N, dtype=idt, device=device)
-    if N:
-        _run_starts_kernel[grid](sorted_keys, run_count, run_start, N, BLOCK=RUN_STARTS_BLOCK)
-    # Buckets are contiguous in key space, hence in slot space, hence in run space.
-    bucket_slots = torch.searchsorted(sorted_keys, spec.tensors.bucket_key_bounds)
-    bucket_run_bounds = torch.searchsorted(run_start, bucket_slots.to(idt))
-
     threshold, chunk = bcfg.short_threshold, bcfg.long_chunk
-    chunk_counts = (torch.empty if N else torch.zeros)(N + 1, dtype=idt, device=device)
-    if N:
-        _run_chunks_kernel[grid](run_start, chunk_counts, N, threshold, chunk, BLOCK=RUN_STARTS_BLOCK)
-    # Inclusive sum after a leading 0: the first chunk of each run (exclusive prefix sum of chunks).
-    run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
     # Each long run has >= threshold lookups and cdiv(L, chunk) <= L / chunk + 1 chunks.
     max_chunks = N // chunk + N // threshold + 1
-    slots = torch.arange(max_chunks, dtype=idt, device=device)
-    chunk_run = torch.searchsorted(run_chunk_begin[1:], slots, right=True).to(idt)
-    bucket_chunk_bounds = run_chunk_begin[bucket_run_bounds]
+    bounds = spec.tensors.bucket_key_bounds
+    num_bounds = bounds.numel()
+    block_k = triton.next_power_of_2(num_bounds)
+    # Small batches are launch-bound (the host issues ops slower than the GPU runs them): every
+    # table below comes from one Triton launch or one scan, with nothing but allocations between.
+    sorted_bags = torch.empty_like(bags)
+    run_start = torch.empty(N + 1, dtype=idt, device=device)
+    bucket_run_bounds = torch.empty(num_bounds, dtype=idt, device=device)
+    chunk_counts = torch.empty(N + 1, dtype=idt, device=device)
+    chunk_run = torch.empty(max_chunks, dtype=idt, device=device)
+    bucket_chunk_bounds = torch.empty(num_bounds, dtype=idt, device=device)
+    if N:
+        flags = torch.empty(N, dtype=idt, device=device)
+        grid = (triton.cdiv(N, RUN_STARTS_BLOCK),)
+        grid_runs = (triton.cdiv(N + 1, RUN_STARTS_BLOCK),)
+        launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, flags, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
+        run_count = torch.cumsum(flags, 0, dtype=idt)
+        launch(_run_starts_kernel, grid_runs, (sorted_keys, run_count, run_start, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
+        launch(
+            _run_chunks_kernel,
+            grid_runs,
+            (run_start, sorted_keys, bounds, chunk_counts, bucket_run_bounds, N, threshold, chunk, num_bounds),
+            dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
+            4,
+        )
+        # Inclusive sum after a leading 0: the first chunk of each run (exclusive prefix sum of chunks).
+        run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
+        launch(
+            _chunk_runs_kernel,
+            (triton.cdiv(max_chunks, RUN_STARTS_BLOCK),),
+            (run_chunk_begin, bucket_run_bounds, chunk_run, bucket_chunk_bounds, N, N.bit_length(), num_bounds),
+            dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
+            4,
+        )
+    else:
+        run_start.zero_()
+        bucket_run_bounds.zero_()
+        bucket_chunk_bounds.zero_()
+        run_chunk_begin = chunk_counts.zero_()
     return RunPlan(
         num_lookups=N,
         sorted_keys=sorted_keys,
