@@ -5,6 +5,10 @@
 #   sweep-bwd   backward knobs (tile/warps/grid on uniform+zipf, then routing on hot+zipf), tests/gpu
 #   sweep-fwd   forward knobs on the narrow shapes, then a stage profile
 #   sweep-fwd128  forward lanes and gather at BLOCK_D=128 on uniform, Zipf and hot shapes
+#   tests       tests/gpu only
+#   host        host issue time vs GPU time of ours and FBGEMM's TBE on FBGEMM's default shape
+#               (tools/host_profile.py), both optimizers
+#   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
 # every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
@@ -21,6 +25,15 @@ for step in "$@"; do
   echo "== $step"
   case $step in
     checks) bash tools/device_checks.sh ;;
+    tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests_gpu.txt" | tail -4 ;;
+    host)
+      for o in rowwise sgd; do
+        (cd tools && timeout 150 python host_profile.py --shape default --optimizer $o --json "$OUT/host_default_$o.json" \
+          2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -7)
+      done ;;
+    sweep-fp32)
+      python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
+        programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;
     sweep-bwd)
       python tools/sweep.py --part bwd --shapes uniform,zipf --write --json "$OUT/sweep_bwd.json" 2>&1 | quiet | grep -v "^bwd" ; keep
       python tools/sweep.py --part route --shapes hot,zipf --write --json "$OUT/sweep_route.json" 2>&1 | quiet | grep -v "^route"; keep

@@ -43,6 +43,7 @@ SHAPES = {
     "d64": dict(B=65536, T=32, E=1_000_000, D=64, L=20, alpha=1.15),
     "hot": dict(B=131072, T=32, E=1_000_000, D=128, L=1, alpha=1.5),  # most lookups in runs >= 256
     "d256": dict(B=65536, T=16, E=1_000_000, D=256, L=20, alpha=1.15),
+    "fp32": dict(B=65536, T=16, E=1_000_000, D=128, L=20, alpha=1.15),  # the suite's fp32 shape (--weights fp32)
 }
 FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
 BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32], waves=[1])
@@ -64,11 +65,15 @@ def main() -> None:
     ap.add_argument("--target", default="sm90")
     ap.add_argument("--part", default="fwd,bwd")
     ap.add_argument("--shapes", default="uniform,zipf")
+    ap.add_argument("--weights", default="fp16", choices=["fp16", "fp32"],
+                    help="weights precision (the tile/warps tables are per BLOCK_D: --write only with fp16)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--grid", nargs="*", default=[], metavar="KNOB=V1,V2",
                     help="narrow a grid, e.g. --grid tile=8,16 num_warps=1 (values as in configs/)")
     args = ap.parse_args()
+    if args.write and args.weights != "fp16":
+        ap.error("--write tunes the fp16 tables; sweep fp32 weights without it")
     for item in args.grid:
         knob, _, values = item.partition("=")
         grids = [g for g in (FWD_GRID, BWD_GRID, ROUTE_GRID) if knob in g]
@@ -89,7 +94,8 @@ def main() -> None:
         bd = triton.next_power_of_2(D)
         # Stochastic rounding off, as in the suite (FBGEMM's benchmark default, --stoc to enable).
         m = TritonTBE([(E, D)] * T, device=dev, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                      weights_precision=SparseType.FP16, bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base,
+                      weights_precision=SparseType.FP16 if args.weights == "fp16" else SparseType.FP32,
+                      bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base,
                       stochastic_rounding=False)
         req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
         idx, off = req.indices.to(dev), req.offsets.to(dev)
