@@ -233,3 +233,33 @@ def test_persistent_grid_fills_whole_waves(monkeypatch):
         (first, first, 8), (bcfg.waves * 132 * 12, bcfg.waves * 132 * 12, 8),
         (first, first, 16), (bcfg.waves * 132 * 32, bcfg.waves * 132 * 32, 16),
     ]
+
+
+@pytest.mark.parametrize("weights,expected", [(SparseType.FP32, 2), (SparseType.FP16, 4)])
+def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weights, expected):
+    """backward.tile_fp32 sets the short kernel's runs per tile for fp32 weights only (fp32 rows are
+    twice as wide); like every knob it changes no result: weights and state match the `tile` run bitwise."""
+    from torchrec_triton_tbe.config import KnobTable, load_named
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    tiles = []
+    real = bwd_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None):
+        if kernel is bwd_ops._backward_short_kernel:
+            tiles.append(constexprs["TILE"])
+        return real(kernel, grid, args, constexprs, num_warps, key=key)
+
+    monkeypatch.setattr(bwd_ops, "launch", spy)
+    base = load_named("interpreter")
+    states = []
+    for cfg in (base, base.replace_backward(tile_fp32=KnobTable(2))):
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=cfg, weights_precision=weights,
+                            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, stochastic_rounding=False)
+        batch = skewed_batch([r for r, _ in SPECS], FTM, B=5, max_L=6, generator=torch.Generator().manual_seed(5))
+        out = ours(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+        states.append([w.clone() for w in ours.split_embedding_weights()] + [ours.momentum1.clone()])
+    assert set(tiles[: len(tiles) // 2]) == {base.backward.tile.default} and set(tiles[len(tiles) // 2:]) == {expected}
+    for a, b in zip(*states):
+        assert torch.equal(a, b)

@@ -47,6 +47,7 @@ def test_knob_table_lookup():
         (("backward", "long_path", "atomic"), "backward.long_path must be one of"),
         (("backward", "waves", -1), "backward.waves must be >= 0"),
         (("backward", "tile", {128: 4}), "needs a 'default' entry"),
+        (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
     ],
 )
@@ -99,6 +100,9 @@ def test_bag_lanes_default_to_the_sequential_path(tmp_path):
     fwd = load_named("sm90").forward
     assert fwd.lanes(128, 2) == 2 and fwd.lanes(128, 4) == 1 and fwd.lanes(32, 4) == fwd.lanes(32, 2)
     assert load_named(str(path)).forward.lanes(32, 4) == 1  # no fp32 table: bag_lanes
+    bwd = load_named("sm90").backward
+    assert bwd.tiles(128, 4) == 4 < bwd.tiles(128, 2) == 8  # fp32 rows: half the runs per tile (measured)
+    assert load_named(str(path)).backward.tiles(128, 4) == load_named(str(path)).backward.tiles(128, 2)
     # A config without long_path keeps the split (atomic-free) schedule.
     del doc["backward"]["long_path"]
     path.write_text(yaml.safe_dump(doc))

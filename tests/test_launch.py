@@ -110,3 +110,12 @@ def test_interpreter_always_goes_through_the_jit(monkeypatch):
     for _ in range(2):
         launch_mod.launch(kernel, (1,), (torch.zeros(8), torch.zeros(8), 16), dict(BLOCK=8), 1)
     assert [c[0] for c in kernel.calls] == ["jit", "jit"]
+
+
+def test_host_grid_arithmetic_matches_triton():
+    import triton
+
+    for a in range(0, 3000, 7):
+        assert launch_mod.next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 2, 3, 16, 1024):
+            assert launch_mod.cdiv(a, b) == triton.cdiv(a, b)

@@ -84,6 +84,14 @@ class BackwardConfig:
     # > 0: once a kernel specialization has been compiled, its persistent grid is this many full waves
     # (SMs x the programs its registers / warps / shared memory let one SM hold); 0: always the grid above.
     waves: int = 0
+    # `tile` for fp32 weights (None: `tile`). Their rows are twice as wide as fp16/bf16 rows of that
+    # BLOCK_D: on the H200 the short kernel at BLOCK_D=128 took 5.94 ms with the fp16 tile (8) and
+    # 4.02 ms with 4 (docs/performance.md).
+    tile_fp32: Optional[KnobTable] = None
+
+    def tiles(self, block_d: int, weight_bytes: int) -> int:
+        table = self.tile_fp32 if weight_bytes >= 4 and self.tile_fp32 is not None else self.tile
+        return table.get(block_d)
 
     def grid_programs(self, device: torch.device) -> int:
         if self.programs_per_sm > 0 and device.type == "cuda":
@@ -158,6 +166,7 @@ class KernelConfig:
                 programs_per_sm=int(b.get("programs_per_sm", 0)),
                 long_path=str(b.get("long_path", "split")),
                 waves=int(b.get("waves", 0)),
+                tile_fp32=KnobTable.parse(b["tile_fp32"], "backward.tile_fp32") if "tile_fp32" in b else None,
             ),
             source=source,
         )
@@ -177,6 +186,7 @@ class KernelConfig:
             ("forward.bag_lanes", self.forward.bag_lanes),
             ("forward.bag_lanes_fp32", self.forward.bag_lanes_fp32 or KnobTable(1)),
             ("backward.tile", self.backward.tile),
+            ("backward.tile_fp32", self.backward.tile_fp32 or KnobTable(1)),
             ("backward.num_warps", self.backward.num_warps),
         ]:
             for v in [table.default] + [v for _, v in table.by_block_d]:

@@ -15,7 +15,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-import triton
 
 from torchrec_triton_tbe.config import BackwardConfig, resident_programs, tile_warps
 from torchrec_triton_tbe.kernels.backward_long import (
@@ -25,7 +24,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 )
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
-from torchrec_triton_tbe.ops.launch import arg_key, launch
+from torchrec_triton_tbe.ops.launch import arg_key, cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan
 
@@ -56,7 +55,7 @@ def _launch_persistent(
     `waves` full waves from its actual occupancy; the first launch uses the configured grid. Which
     program takes which tile or chunk never changes a result, only the speed."""
     key = arg_key(args)
-    site = (kernel, device, bcfg.waves, num_warps, tuple(constexprs.items()), key)
+    site = (id(kernel), device, bcfg.waves, num_warps, tuple(constexprs.items()), key)
     nprog = (_WAVE_GRID.get(site) if bcfg.waves > 0 else None) or bcfg.grid_programs(device)
     compiled = launch(kernel, (nprog,), (*args, nprog), constexprs, num_warps, key=key + arg_key((nprog,)))
     if bcfg.waves > 0 and site not in _WAVE_GRID and device.type == "cuda" and getattr(compiled, "n_regs", 0):
@@ -84,7 +83,7 @@ def psw_grad(
         gather = cfg.gather.get(bucket.block_d)
         launch(
             _psw_grad_kernel,
-            (triton.cdiv(B, cfg.bags_per_program), len(bucket.features)),
+            (cdiv(B, cfg.bags_per_program), len(bucket.features)),
             (
                 weights,
                 indices,
@@ -142,7 +141,7 @@ def fused_update(
         if not bucket.features:
             continue
         bd = bucket.block_d
-        tile = bcfg.tile.get(bd)
+        tile = bcfg.tiles(bd, state.weights.element_size())
         common = dict(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],

@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from torchrec_triton_tbe.kernels.bounds import CHECK_ONLY, REPAIR_COUNT, REPAIR_SILENT, _check_indices_kernel
-from torchrec_triton_tbe.ops.launch import launch
+from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,7 +69,7 @@ def validate_shapes(
 def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:
     cfg = spec.config.forward
     bags = cfg.bags_per_program
-    grid = (triton.cdiv(B, bags), spec.plan.num_features)
+    grid = (cdiv(B, bags), spec.plan.num_features)
     launch(
         _check_indices_kernel,
         grid,

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
-from torchrec_triton_tbe.ops.launch import launch
+from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
@@ -30,7 +29,7 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
     the sums changes (fp rounding)."""
     mean = -(-num_lookups // max(num_bags, 1))  # ceil
-    return min(gather, triton.next_power_of_2(max(mean, 1)))
+    return min(gather, next_pow2(max(mean, 1)))
 
 
 def pooled_forward(
@@ -58,7 +57,7 @@ def pooled_forward(
             gather = lanes_gather(gather, indices.numel(), B * plan.num_features)
         launch(
             _pooled_forward_kernel,
-            (triton.cdiv(B, bags * lanes), len(bucket.features)),
+            (cdiv(B, bags * lanes), len(bucket.features)),
             (
                 weights,
                 indices,

@@ -31,9 +31,19 @@ _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 # Fixed at import, like Triton's own choice between compiled and interpreted kernels (_env).
 _INTERPRETED = _env.interpreting()
 
-# (kernel, device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
+# (id(kernel), device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
 # signature order after the positional arguments)
 _COMPILED: dict = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
+    (each host call unwraps its arguments: ~2 µs, several per launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def arg_key(args: Sequence[Any]) -> tuple:
@@ -67,7 +77,9 @@ def launch(
     if key is None:
         key = arg_key(args)
     device = driver.active.get_current_device()
-    site = (kernel, device, num_warps, cx, key)
+    # id(): the kernels are module globals (they outlive the cache); hashing a JITFunction goes through
+    # its source hash under a lock.
+    site = (id(kernel), device, num_warps, cx, key)
     hit = _COMPILED.get(site)
     if hit is None:
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)

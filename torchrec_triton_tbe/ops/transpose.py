@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from torchrec_triton_tbe.kernels.transpose import (
     _chunk_runs_kernel,
@@ -19,7 +18,7 @@ from torchrec_triton_tbe.kernels.transpose import (
     _run_flags_kernel,
     _run_starts_kernel,
 )
-from torchrec_triton_tbe.ops.launch import launch
+from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 RUN_STARTS_BLOCK = 1024
@@ -80,7 +79,7 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     if N and B:
         launch(
             _linearize_kernel,
-            (triton.cdiv(B, cfg.bags_per_program), plan.num_features),
+            (cdiv(B, cfg.bags_per_program), plan.num_features),
             (indices, offsets, spec.tensors.feature_key_offset, keys, bags, B, bag_shift),
             dict(BLOCK_BAGS=cfg.bags_per_program, STEP=cfg.lookups_per_step),
             cfg.num_warps,
@@ -101,7 +100,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     max_chunks = N // chunk + N // threshold + 1
     bounds = spec.tensors.bucket_key_bounds
     num_bounds = bounds.numel()
-    block_k = triton.next_power_of_2(num_bounds)
+    block_k = next_pow2(num_bounds)
     # Small batches are launch-bound (the host issues ops slower than the GPU runs them): every
     # table below comes from one Triton launch or one scan, with nothing but allocations between.
     sorted_bags = torch.empty_like(bags)
@@ -112,8 +111,8 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     bucket_chunk_bounds = torch.empty(num_bounds, dtype=idt, device=device)
     if N:
         flags = torch.empty(N, dtype=idt, device=device)
-        grid = (triton.cdiv(N, RUN_STARTS_BLOCK),)
-        grid_runs = (triton.cdiv(N + 1, RUN_STARTS_BLOCK),)
+        grid = (cdiv(N, RUN_STARTS_BLOCK),)
+        grid_runs = (cdiv(N + 1, RUN_STARTS_BLOCK),)
         launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, flags, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
         run_count = torch.cumsum(flags, 0, dtype=idt)
         launch(_run_starts_kernel, grid_runs, (sorted_keys, run_count, run_start, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
@@ -128,7 +127,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
         launch(
             _chunk_runs_kernel,
-            (triton.cdiv(max_chunks, RUN_STARTS_BLOCK),),
+            (cdiv(max_chunks, RUN_STARTS_BLOCK),),
             (run_chunk_begin, bucket_run_bounds, chunk_run, bucket_chunk_bounds, N, N.bit_length(), num_bounds),
             dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
             4,
