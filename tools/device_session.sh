@@ -8,6 +8,7 @@
 #   tests       tests/gpu only
 #   host        host issue time vs GPU time of ours and FBGEMM's TBE on FBGEMM's default shape
 #               (tools/host_profile.py), both optimizers
+#   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
@@ -31,6 +32,7 @@ for step in "$@"; do
         (cd tools && timeout 150 python host_profile.py --shape default --optimizer $o --json "$OUT/host_default_$o.json" \
           2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -7)
       done ;;
+    demo) timeout 300 python tools/demo_profile.py --steps 20 --json "$OUT/demo_profile.json" 2>&1 | quiet | tail -8 ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;

@@ -122,8 +122,11 @@ def main() -> None:
         if "bwd" in parts:
             state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
             for tile, warps, pps, waves in itertools.product(*BWD_GRID.values()):
+                # fp32 weights read backward.tile_fp32 (when the config has one), fp16 weights backward.tile.
+                tiles = {"tile_fp32": with_table(base.backward.tile_fp32 or base.backward.tile, bd, tile)} \
+                    if args.weights == "fp32" else {"tile": with_table(base.backward.tile, bd, tile)}
                 cfg = base.replace_backward(
-                    tile=with_table(base.backward.tile, bd, tile),
+                    **tiles,
                     num_warps=with_table(base.backward.num_warps, bd, warps),
                     programs_per_sm=pps,
                     waves=waves,

@@ -1,0 +1,81 @@
+"""Where the TorchRec demo's step time goes, `fused` (FBGEMM) vs ours (GPU only).
+
+    python tools/demo_profile.py [--steps 20] [--json out.json]   (demo options as torchrec_demo)
+
+Builds the demo's two DistributedModelParallel models (torchrec_demo), warms both up on every batch,
+times --steps steps of each (median ms, CUDA-synchronized wall clock as the demo), then profiles three
+steps of each with torch.profiler and prints the GPU kernels and host ops that take the most time.
+"""
+
+import json
+import statistics
+import sys
+
+import torch
+
+from torchrec_triton_tbe import torchrec_demo as demo
+from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
+
+
+def profile_steps(dmp, opt, batches, setup, n=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in batches[:n]:
+            demo._step(dmp, opt, b, setup)
+    kernels, host = [], []
+    for ev in prof.key_averages():
+        dev = getattr(ev, "self_device_time_total", getattr(ev, "self_cuda_time_total", 0))
+        if dev > 0 and ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((ev.key[:70], ev.count // n, dev / n / 1e3))
+        host.append((ev.key[:70], ev.count // n, ev.self_cpu_time_total / n / 1e3))
+    kernels.sort(key=lambda r: -r[2])
+    host.sort(key=lambda r: -r[2])
+    return kernels, host
+
+
+def main():
+    argv = sys.argv[1:]
+    out_json = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out_json = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    args = demo._parse(argv, gpu=True)
+    setup = demo._init_process_group(True)
+    torch.manual_seed(args.seed)
+    tables = demo._tables(args)
+    dense_in = 13
+    index_dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
+    fused_params = dict(optimizer=demo.OPTIMIZERS[args.optimizer], learning_rate=args.learning_rate, eps=1e-2,
+                        embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype)
+    options = TritonTBEOptions(index_dtype=index_dtype, hoist_transpose=args.hoist_transpose,
+                               fused_bounds_check=args.fused_bounds_check)
+    sharder = TritonTBESharder(fused_params=fused_params)
+    plan = demo._plan(demo._model(tables, setup, dense_in), tables, args.sharding, setup)
+    models = {
+        "fused": demo._dmp(tables, setup, use_fused(plan), sharder, dense_in, args.learning_rate),
+        "triton": demo._dmp(tables, setup, use_triton_tbe(plan, options=options), sharder, dense_in,
+                            args.learning_rate),
+    }
+    batches = demo._batches(tables, args, setup, dense_in)
+    res = {"args": vars(args)}
+    for name, (dmp, opt) in models.items():
+        for b in batches:  # warm-up: every batch once (kernel specializations compile here)
+            demo._step(dmp, opt, b, setup)
+        ms = [demo._step(dmp, opt, b, setup)[1] for b in batches]
+        kernels, host = profile_steps(dmp, opt, batches, setup)
+        res[name] = {"median_ms": statistics.median(ms), "ms": ms, "gpu_ms": sum(k[2] for k in kernels),
+                     "kernels": kernels[:30], "host": host[:30]}
+        print(f"{name}: median {statistics.median(ms):.2f} ms/step, GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
+        print("  kernels: " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in kernels[:12]))
+        print("  host:    " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in host[:12]))
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(res, f, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
