@@ -113,3 +113,44 @@ def test_none_mode_does_not_touch_valid_input():
     idx, off = torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF)
     m(idx, off)
     assert idx.tolist() == GOOD_IDX and off.tolist() == GOOD_OFF
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+def test_offsets_repair_across_blocks_counts_and_clears(monkeypatch, mode):
+    """More bags than one block of the offsets check / repair (ops/bounds.OFFSETS_BLOCK, shrunk here to
+    keep the interpreter fast): bad offsets on both sides of block edges, repaired as FBGEMM's CPU
+    bounds_check_indices does; WARNING counts every bad bag, the wrong last offset and every bad id
+    once. The repair's device flag is cleared, so the next, valid batch passes through untouched."""
+    from torchrec_triton_tbe.ops import bounds as bounds_ops
+
+    block = 16
+    monkeypatch.setattr(bounds_ops, "OFFSETS_BLOCK", block)
+    g = torch.Generator().manual_seed(11)
+    B = 2 * block + 5  # 3 features: 3 B + 1 offsets span seven blocks
+    T = len(FTM)
+    lengths = torch.randint(0, 3, (T * B,), generator=g)
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    N = int(offsets[-1])
+    indices = torch.cat([torch.randint(0, SPECS[k][0], (int(lengths[t * B:(t + 1) * B].sum()),), generator=g)
+                         for t, k in enumerate(FTM)])
+    good_idx, good_off = indices.clone(), offsets.clone()
+    for pos, value in ((block - 1, -5), (block, N + 9), (block + 3, 0), (4 * block, 4), (4 * block + 1, 2)):
+        offsets[pos] = value
+    offsets[-1] = N - 2
+    indices[5], indices[N // 2] = -2, 1000  # (FBGEMM leaves -1, its pruned-row id, alone)
+    bad_bags = ((offsets[:-1] < 0) | (offsets[:-1] > offsets[1:]) | (offsets[1:] > N)).sum()
+    fb_idx, fb_off = indices.clone(), offsets.clone()
+    rows = torch.tensor([SPECS[k][0] for k in FTM], dtype=torch.int64)
+    torch.ops.fbgemm.bounds_check_indices(rows, fb_idx, fb_off, int(mode), torch.zeros(1, dtype=torch.int64))
+    bad_ids = int((fb_idx != indices).sum())
+    assert bad_ids >= 2 and int(bad_bags) >= 4
+
+    m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=mode)
+    m(indices, offsets)
+    assert torch.equal(offsets, fb_off) and torch.equal(indices, fb_idx)
+    expected = int(bad_bags) + 1 + bad_ids if mode == BoundsCheckMode.WARNING else 0
+    assert int(m.bounds_check_warning) == expected
+    assert int(m._bounds_repair_flag) == 0
+    m(good_idx, good_off)
+    assert int(m.bounds_check_warning) == expected

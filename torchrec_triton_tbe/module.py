@@ -227,6 +227,8 @@ class TritonTBE(nn.Module):
         self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev))
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
+        # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
+        self.register_buffer("_bounds_repair_flag", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("D_offsets", torch.tensor(plan.D_offsets, dtype=torch.int32, device=dev), persistent=False)
         # Makes autograd run backward (the fused optimizer) even when no input needs a gradient.
         self.placeholder_autograd_tensor = torch.zeros(0, device=dev, requires_grad=True)
@@ -294,7 +296,8 @@ class TritonTBE(nn.Module):
         if feature_requires_grad is not None:
             feature_requires_grad = feature_requires_grad.to(device=self.current_device, dtype=torch.int32)
         bounds_ops.check_and_repair(
-            spec, indices, offsets, B, self.bounds_check_warning, ids=not spec.fused_bounds_check
+            spec, indices, offsets, B, self.bounds_check_warning, self._bounds_repair_flag,
+            ids=not spec.fused_bounds_check,
         )
         call = LookupCall(
             spec=spec,

@@ -1,10 +1,11 @@
-"""Index bounds check: validate (FATAL) or validate-and-repair (WARNING / IGNORE) the ids of every bag.
+"""Index bounds check: validate (FATAL) or validate-and-repair (WARNING / IGNORE) offsets and ids.
 
-Offsets are repaired on the host side of the pipeline (a cummax over clamped offsets reproduces
-FBGEMM's sequential per-bag repair exactly, see ops/bounds.py); these kernels handle the ids, one
-program per BAGS bags of one feature, reading each id once (4 or 8 bytes per lookup) and writing
-only the ids they repair. The same device function repairs ids inside the forward kernel when the
-check is fused.
+Offsets (WARNING / IGNORE): a parallel check counts the bad bags and raises a device flag; a
+one-program repair then runs FBGEMM's sequential per-bag repair (a running max over clamped offsets,
+see ops/bounds.py) only when the flag is up, so valid batches cost two small launches and no
+host-side tensor ops. Ids: one program per BAGS bags of one feature, reading each id once (4 or 8
+bytes per lookup) and writing only the ids they repair. The same device function repairs ids inside
+the forward kernel when the check is fused.
 """
 
 import triton
@@ -77,3 +78,52 @@ def _check_indices_kernel(
     if MODE == REPAIR_COUNT:
         if nbad > 0:
             tl.atomic_add(warning_ptr, nbad.to(tl.int64))
+
+
+@triton.jit
+def _check_offsets_kernel(offsets_ptr, flag_ptr, warning_ptr, num_bags, N, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """
+    Grid: [cdiv(num_bags, BLOCK)]. Bag i = [offsets[i], offsets[i + 1]) is bad when it starts below 0,
+    ends before it starts or ends past N = len(indices); program 0 also counts offsets[num_bags] != N.
+    Adds the count to flag_ptr (int32[1], the repair's trigger) and, with COUNT (WARNING), to the
+    module's warning counter (int64[1]). Integer atomics: the totals do not depend on program order.
+    """
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < num_bags
+    start = tl.load(offsets_ptr + i, mask=m, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + i + 1, mask=m, other=0).to(tl.int64)
+    bad = m & ((start < 0) | (start > end) | (end > N))
+    n = tl.sum(bad.to(tl.int32), axis=0)
+    if pid == 0:
+        n += (tl.load(offsets_ptr + num_bags).to(tl.int64) != N).to(tl.int32)
+    if n > 0:
+        tl.atomic_add(flag_ptr, n)
+        if COUNT:
+            tl.atomic_add(warning_ptr, n.to(tl.int64))
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _repair_offsets_kernel(offsets_ptr, flag_ptr, num_bags, N, BLOCK: tl.constexpr):
+    """
+    Grid: [1]. When the check raised the flag: offsets[num_bags] = N, then every offset becomes the
+    running max of the offsets clamped into [0, N] (what FBGEMM's sequential loop produces: each bag
+    clamped into [0, N], starting no earlier than the previous bag's end). One program walks the
+    offsets in order, carrying the max across blocks; it runs only on bad input. Clears the flag.
+    """
+    if tl.load(flag_ptr) > 0:
+        carry = tl.full([], 0, tl.int64)
+        for s in range(0, num_bags + 1, BLOCK):
+            i = s + tl.arange(0, BLOCK)
+            m = i <= num_bags
+            x = tl.load(offsets_ptr + i, mask=m, other=0).to(tl.int64)
+            x = tl.where(i == num_bags, N, tl.minimum(tl.maximum(x, 0), N))
+            x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
+            tl.store(offsets_ptr + i, x.to(offsets_ptr.dtype.element_ty), mask=m)
+            carry = tl.max(tl.where(m, x, 0), axis=0)
+        tl.store(flag_ptr, 0)

@@ -3,8 +3,10 @@
 Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8 B) and a bag id
 (4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B),
 gather the bag id (a 32 B sector for 4 B: the one random access) and write 4 + 4 B; run starts read a
-key and a running count (4 B each) and write 4 B per run; run chunks read two run starts (one from
-cache) and write 4 B per slot.
+key and a running count (4 B each) and write 4 B per run (N past the last run); run chunks read two
+run starts (one from cache) and the first key of each run (a random 4 B read, live runs only) and
+write 4 B per slot; chunk owners read two chunk offsets per run and write 4 B per long-run chunk.
+Every table is sized by N; no kernel here needs a count that only the device knows.
 """
 
 import triton
@@ -144,17 +146,17 @@ def _chunk_runs_kernel(
     chunk_run_ptr,
     bucket_chunk_bounds_ptr,
     N,
-    steps,
     num_bounds,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """
-    Grid: [cdiv(max_chunks, BLOCK)], one lane per chunk slot c. chunk_run[c] = the run owning live
-    chunk c (c < run_chunk_begin[N]): the number of runs whose chunks all lie at or below c, found by
-    a binary search of `steps` = bit_length(N) halvings over run_chunk_begin[1..N]; slots past the
-    live chunks are not written (the long-path kernels stop at bucket_chunk_bounds[K]). Program 0
-    also writes bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]].
+    Grid: [cdiv(N, BLOCK)], one lane per run r. chunk_run[c] = r for each of run r's chunks
+    c in [run_chunk_begin[r], run_chunk_begin[r + 1]) (only long runs have chunks): a program takes as
+    many steps as its block's longest run has chunks, one store per lane and step (no search, no
+    atomics: every chunk has one owner). Slots past the live chunks are not written (the long-path
+    kernels stop at bucket_chunk_bounds[K]). Program 0 also writes
+    bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]].
     """
     pid = tl.program_id(0)
     if pid == 0:
@@ -163,17 +165,11 @@ def _chunk_runs_kernel(
         rb = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=0)
         first = tl.load(run_chunk_begin_ptr + rb, mask=kmask, other=0)
         tl.store(bucket_chunk_bounds_ptr + kk, first.to(bucket_chunk_bounds_ptr.dtype.element_ty), mask=kmask)
-    total = tl.load(run_chunk_begin_ptr + N).to(tl.int64)
-    if pid.to(tl.int64) * BLOCK < total:
-        c = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = c < total
-        lo = tl.zeros([BLOCK], dtype=tl.int64)
-        hi = tl.zeros([BLOCK], dtype=tl.int64) + N
-        for _ in range(steps):
-            active = m & (lo < hi)
-            mid = (lo + hi) >> 1
-            ends = tl.load(run_chunk_begin_ptr + mid + 1, mask=active, other=0).to(tl.int64)
-            right = ends <= c
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & ~right, mid, hi)
-        tl.store(chunk_run_ptr + c, lo.to(chunk_run_ptr.dtype.element_ty), mask=m)
+    r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = r < N
+    first = tl.load(run_chunk_begin_ptr + r, mask=m, other=0).to(tl.int64)
+    count = tl.load(run_chunk_begin_ptr + r + 1, mask=m, other=0).to(tl.int64) - first
+    count = tl.where(m, count, 0)
+    owner = r.to(chunk_run_ptr.dtype.element_ty)
+    for j in range(0, tl.max(count, axis=0)):
+        tl.store(chunk_run_ptr + first + j, owner, mask=j < count)

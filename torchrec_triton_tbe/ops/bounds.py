@@ -10,6 +10,8 @@ Host checks (dtypes, ranks, sizes) never touch data and never sync. Data checks 
   what FBGEMM's sequential per-bag loop produces and equals ``cummax(clamp(offsets, 0, N))``; ids outside
   ``[0, rows)`` become 0. Repairs happen in place, as in FBGEMM. WARNING adds the number of repairs to
   the module's ``bounds_check_warning`` counter (on the device: no sync, so no per-batch log line).
+  Offsets take two launches (kernels/bounds.py): a parallel check that raises a device flag, and a
+  one-program repair that does the running max only when the flag is up.
 * ``NONE``: no data check: out-of-range ids read out of bounds, as in FBGEMM.
 """
 
@@ -19,11 +21,19 @@ from typing import Optional
 
 import torch
 
-from torchrec_triton_tbe.kernels.bounds import CHECK_ONLY, REPAIR_COUNT, REPAIR_SILENT, _check_indices_kernel
+from torchrec_triton_tbe.kernels.bounds import (
+    CHECK_ONLY,
+    REPAIR_COUNT,
+    REPAIR_SILENT,
+    _check_indices_kernel,
+    _check_offsets_kernel,
+    _repair_offsets_kernel,
+)
 from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+OFFSETS_BLOCK = 1024  # offsets per program of the check; per step of the one-program repair
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -91,10 +101,17 @@ def _invalid_bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def check_and_repair(
-    spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int, warning: torch.Tensor, ids: bool = True
+    spec: TBESpec,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    B: int,
+    warning: torch.Tensor,
+    repair_flag: torch.Tensor,
+    ids: bool = True,
 ) -> None:
     """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
-    (fused bounds check); offsets are always handled here."""
+    (fused bounds check); offsets are always handled here. ``repair_flag``: the module's int32[1] zero
+    scratch, raised by the offsets check and cleared by the repair."""
     mode = spec.bounds
     if mode == Bounds.NONE or B == 0:
         return
@@ -102,11 +119,15 @@ def check_and_repair(
     if mode == Bounds.FATAL:
         _fatal_check(spec, indices, offsets, B)
         return
-    last_wrong = offsets[-1] != N
-    bad_bags = _invalid_bags(offsets, N)
-    if mode == Bounds.WARNING:
-        warning.add_(bad_bags.sum() + last_wrong.to(torch.int64))
-    offsets.copy_(_repaired_offsets(offsets, N))
+    num_bags = offsets.numel() - 1
+    launch(
+        _check_offsets_kernel,
+        (cdiv(num_bags, OFFSETS_BLOCK),),
+        (offsets, repair_flag, warning, num_bags, N),
+        dict(COUNT=mode == Bounds.WARNING, BLOCK=OFFSETS_BLOCK),
+        4,
+    )
+    launch(_repair_offsets_kernel, (1,), (offsets, repair_flag, num_bags, N), dict(BLOCK=OFFSETS_BLOCK), 4)
     if ids:
         id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
         _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)

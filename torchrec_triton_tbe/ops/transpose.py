@@ -127,8 +127,8 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
         launch(
             _chunk_runs_kernel,
-            (cdiv(max_chunks, RUN_STARTS_BLOCK),),
-            (run_chunk_begin, bucket_run_bounds, chunk_run, bucket_chunk_bounds, N, N.bit_length(), num_bounds),
+            grid,
+            (run_chunk_begin, bucket_run_bounds, chunk_run, bucket_chunk_bounds, N, num_bounds),
             dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
             4,
         )
