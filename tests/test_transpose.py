@@ -80,3 +80,22 @@ def test_run_plan_matches_a_torch_derivation(threshold, chunk):
     assert torch.equal(runs.bucket_chunk_bounds.to(torch.int64), begin[run_bounds])
     stats = runs.stats()
     assert stats["runs"] == starts.numel() and stats["long_chunks"] == total
+
+
+@pytest.mark.parametrize("N,run_block,scan_programs", [(0, 16, 4), (15, 16, 4), (16, 16, 4), (1000, 16, 4),
+                                                       (41_943_040, 1024, 4096), (2**31, 1024, 4096)])
+def test_scan_geometry_covers_every_item_within_the_program_cap(N, run_block, scan_programs):
+    seg, programs = tr_ops.scan_geometry(N, run_block, scan_programs)
+    assert seg % run_block == 0 and programs <= scan_programs
+    assert programs * seg >= N + 1 > (programs - 1) * seg  # slots 0..N-1 and run N, no empty program
+
+
+def test_empty_batch_plan():
+    ours, _ = make_pair(SPECS, FTM)
+    B = 4
+    idx = torch.zeros(0, dtype=torch.int64)
+    off = torch.zeros(len(FTM) * B + 1, dtype=torch.int64)
+    runs = tr_ops.build_runs(ours.spec, idx, off, B)
+    assert runs.run_start.tolist() == [0]
+    assert runs.bucket_run_bounds.tolist() == [0] * 3 and runs.bucket_chunk_bounds.tolist() == [0] * 3
+    assert runs.run_chunk_begin.tolist() == [0] and runs.stats()["runs"] == 0

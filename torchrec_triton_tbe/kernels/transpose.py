@@ -1,12 +1,18 @@
 """Transpose kernels: lookups in batch order -> sort keys, then sorted keys -> runs (one per row).
 
+The run metadata is two scans (run starts over slots, chunk offsets over runs), each split in two
+launches without a tensor op between them: the first pass writes one total per program, the second
+pass's program p adds the totals of programs 0..p-1 (at most `scan_programs` of them, a few vector
+loads from L2) to its own running sum. Programs take `seg` consecutive slots (or runs) in steps of
+BLOCK; the host picks seg so that N + 1 items need at most `scan_programs` programs.
+
 Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8 B) and a bag id
-(4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B),
-gather the bag id (a 32 B sector for 4 B: the one random access) and write 4 + 4 B; run starts read a
-key and a running count (4 B each) and write 4 B per run (N past the last run); run chunks read two
-run starts (one from cache) and the first key of each run (a random 4 B read, live runs only) and
-write 4 B per slot; chunk owners read two chunk offsets per run and write 4 B per long-run chunk.
-Every table is sized by N; no kernel here needs a count that only the device knows.
+(4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B) and
+gather the bag id (a 32 B sector for 4 B: the one random access), writing 4 B; run starts read the
+key again and write 4 B per run (N past the last run); run chunks read two run starts (one from
+cache) and the first key of each run (a random 4 B read, live runs only); chunk offsets read the two
+run starts again and write 4 B per run plus 4 B per long-run chunk. Every table is sized by N; no
+kernel here needs a count that only the device knows.
 """
 
 import triton
@@ -56,37 +62,76 @@ def _linearize_kernel(
 
 
 @triton.jit
-def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, flags_ptr, N, BLOCK: tl.constexpr):
-    """flags[i] = 1 where a run starts (i == 0 or key differs from the previous slot), else 0; and
-    sorted_bags[i] = bags[perm[i]], the bag of the lookup the sort put in slot i (one pass for both)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    key = tl.load(sorted_keys_ptr + i, mask=m)
-    prev = tl.load(sorted_keys_ptr + i - 1, mask=m & (i > 0))
-    head = (i == 0) | (key != prev)
-    tl.store(flags_ptr + i, head.to(flags_ptr.dtype.element_ty), mask=m)
-    p = tl.load(perm_ptr + i, mask=m, other=0)
-    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + p, mask=m, other=0), mask=m)
+def _block_prefix(totals_ptr, p, num_programs, SCAN: tl.constexpr):
+    """(sum of totals[0:p], sum of totals[0:num_programs]) in int64."""
+    before = tl.full([], 0, tl.int64)
+    total = tl.full([], 0, tl.int64)
+    for s in range(0, num_programs, SCAN):
+        j = s + tl.arange(0, SCAN)
+        v = tl.load(totals_ptr + j, mask=j < num_programs, other=0).to(tl.int64)
+        before += tl.sum(tl.where(j < p, v, 0), axis=0)
+        total += tl.sum(v, axis=0)
+    return before, total
 
 
 @triton.jit
-def _run_starts_kernel(sorted_keys_ptr, run_count_ptr, run_start_ptr, N, BLOCK: tl.constexpr):
-    """
-    Grid: [cdiv(N + 1, BLOCK)]. run_count[i] is the inclusive count of run starts up to slot i, so the
-    run starting at i is number run_count[i] - 1 and run_start[run_count[i] - 1] = i. Every run start
-    is written by exactly one program: no atomics, deterministic. Entries past the last run are N (run
-    r ends where run r + 1 starts); program p writes those of its index block, which never holds a
-    start (a start's index is below the run count).
-    """
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _is_head(sorted_keys_ptr, i, N):
     m = i < N
     key = tl.load(sorted_keys_ptr + i, mask=m)
     prev = tl.load(sorted_keys_ptr + i - 1, mask=m & (i > 0))
-    head = m & ((i == 0) | (key != prev))
-    r = tl.load(run_count_ptr + i, mask=head, other=1) - 1
-    tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
-    num_runs = tl.load(run_count_ptr + N - 1)
-    tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
+    return m & ((i == 0) | (key != prev))
+
+
+@triton.jit
+def _run_flags_kernel(
+    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, seg, BLOCK: tl.constexpr
+):
+    """
+    Grid: [programs]. Over its slots [p * seg, (p + 1) * seg): program_runs[p] = how many runs start
+    there (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag of
+    the lookup the sort put in slot i (one pass for both).
+    """
+    p = tl.program_id(0)
+    count = tl.full([], 0, tl.int64)
+    for s in range(0, seg, BLOCK):
+        i = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
+        m = i < N
+        count += tl.sum(_is_head(sorted_keys_ptr, i, N).to(tl.int64), axis=0)
+        q = tl.load(perm_ptr + i, mask=m, other=0)
+        tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
+    tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _run_starts_kernel(
+    sorted_keys_ptr, program_runs_ptr, run_start_ptr, N, seg, num_programs, BLOCK: tl.constexpr, SCAN: tl.constexpr
+):
+    """
+    Grid: [programs]. The run starting at slot i is number (runs before this program) + (run starts
+    up to i in this program) - 1, so run_start[that] = i: every entry written by one program, no
+    atomics, deterministic. Entries from the run count on are N (run r ends where run r + 1 starts);
+    program p writes those of its own index range, and program 0 entry N (always past the last run).
+    """
+    p = tl.program_id(0)
+    carry, num_runs = _block_prefix(program_runs_ptr, p, num_programs, SCAN)
+    for s in range(0, seg, BLOCK):
+        i = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
+        head = _is_head(sorted_keys_ptr, i, N)
+        r = carry + tl.cumsum(head.to(tl.int64), axis=0) - 1
+        tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
+        carry += tl.sum(head.to(tl.int64), axis=0)
+        tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
+    if p == 0:
+        tl.store(run_start_ptr + N, (p * 0 + N).to(run_start_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _run_chunk_count(run_start_ptr, r, N, threshold, chunk):
+    """Split-K chunks of runs r (< N): cdiv(L, chunk) when the length L reaches the threshold, else 0
+    (runs past the last have L = 0)."""
+    m = r < N
+    L = tl.load(run_start_ptr + r + 1, mask=m, other=0).to(tl.int64) - tl.load(run_start_ptr + r, mask=m, other=0)
+    return tl.where(m & (L >= threshold), (L + (chunk - 1)) // chunk, 0)
 
 
 @triton.jit
@@ -94,82 +139,92 @@ def _run_chunks_kernel(
     run_start_ptr,
     sorted_keys_ptr,
     bucket_key_bounds_ptr,
-    chunk_counts_ptr,
+    program_chunks_ptr,
     bucket_run_bounds_ptr,
     N,
     threshold,
     chunk,
     num_bounds,
+    seg,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """
-    Grid: [cdiv(N + 1, BLOCK)], one lane per run r in [0, N].
-    chunk_counts[0] = 0 and chunk_counts[r + 1] = the split-K chunks of run r: cdiv(L, chunk) when its
-    length L reaches the threshold, else 0 (runs past the last have L = 0). Their inclusive sum is
-    each run's first chunk.
+    Grid: [programs], over runs r in [p * seg, (p + 1) * seg) (r <= N).
+    program_chunks[p] = the split-K chunks of its runs (_run_chunk_count).
     bucket_run_bounds[k] = the first run whose key is >= bucket_key_bounds[k] (the run count if
     none): the one r where run r - 1's key is below the bound and run r's key (or the end) is not.
     Buckets are contiguous in key space, so bucket k owns runs [bounds[k], bounds[k + 1]).
     """
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = r < N
-    in_range = r <= N
-    rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
-    re = tl.load(run_start_ptr + r + 1, mask=m, other=N).to(tl.int64)
-    L = re - rs
-    c = tl.where(m & (L >= threshold), (L + (chunk - 1)) // chunk, 0)
-    tl.store(chunk_counts_ptr + r + 1, c.to(chunk_counts_ptr.dtype.element_ty), mask=m)
-    tl.store(chunk_counts_ptr + r, tl.zeros_like(c).to(chunk_counts_ptr.dtype.element_ty), mask=r == 0)
-
+    p = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
     bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
-    live = rs < N
-    key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
-    prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
-    prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
-    below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
-    reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
-    hit = below & reaches & in_range[:, None] & kmask[None, :]
-    tl.store(
-        bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
-        (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
-        mask=hit,
-    )
+    count = tl.full([], 0, tl.int64)
+    for s in range(0, seg, BLOCK):
+        r = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
+        count += tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
+        in_range = r <= N
+        rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
+        live = rs < N
+        key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
+        prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
+        prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
+        below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
+        reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
+        hit = below & reaches & in_range[:, None] & kmask[None, :]
+        tl.store(
+            bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
+            (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
+            mask=hit,
+        )
+    tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _chunk_runs_kernel(
-    run_chunk_begin_ptr,
+def _chunk_offsets_kernel(
+    run_start_ptr,
+    program_chunks_ptr,
     bucket_run_bounds_ptr,
+    run_chunk_begin_ptr,
     chunk_run_ptr,
     bucket_chunk_bounds_ptr,
     N,
+    threshold,
+    chunk,
     num_bounds,
+    seg,
+    num_programs,
     BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """
-    Grid: [cdiv(N, BLOCK)], one lane per run r. chunk_run[c] = r for each of run r's chunks
-    c in [run_chunk_begin[r], run_chunk_begin[r + 1]) (only long runs have chunks): a program takes as
-    many steps as its block's longest run has chunks, one store per lane and step (no search, no
-    atomics: every chunk has one owner). Slots past the live chunks are not written (the long-path
-    kernels stop at bucket_chunk_bounds[K]). Program 0 also writes
-    bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]].
+    Grid: [programs], over runs r in [p * seg, (p + 1) * seg) (r <= N).
+    run_chunk_begin[r] = the chunks of all runs before r (exclusive prefix sum; entry N = all chunks);
+    chunk_run[c] = r for each chunk c of run r (one store per lane and step, as many steps as the
+    step's longest run has chunks; slots past the live chunks are not written: the long-path kernels
+    stop at bucket_chunk_bounds[K]); bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]],
+    written by the program holding that run.
     """
-    pid = tl.program_id(0)
-    if pid == 0:
-        kk = tl.arange(0, BLOCK_K)
-        kmask = kk < num_bounds
-        rb = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=0)
-        first = tl.load(run_chunk_begin_ptr + rb, mask=kmask, other=0)
-        tl.store(bucket_chunk_bounds_ptr + kk, first.to(bucket_chunk_bounds_ptr.dtype.element_ty), mask=kmask)
-    r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = r < N
-    first = tl.load(run_chunk_begin_ptr + r, mask=m, other=0).to(tl.int64)
-    count = tl.load(run_chunk_begin_ptr + r + 1, mask=m, other=0).to(tl.int64) - first
-    count = tl.where(m, count, 0)
-    owner = r.to(chunk_run_ptr.dtype.element_ty)
-    for j in range(0, tl.max(count, axis=0)):
-        tl.store(chunk_run_ptr + first + j, owner, mask=j < count)
+    p = tl.program_id(0)
+    carry, _ = _block_prefix(program_chunks_ptr, p, num_programs, SCAN)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_bounds
+    bucket_runs = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=-1).to(tl.int64)
+    for s in range(0, seg, BLOCK):
+        r = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
+        in_range = r <= N
+        c = _run_chunk_count(run_start_ptr, r, N, threshold, chunk)
+        first = carry + tl.cumsum(c, axis=0) - c
+        tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
+        owner = r.to(chunk_run_ptr.dtype.element_ty)
+        for j in range(0, tl.max(c, axis=0)):
+            tl.store(chunk_run_ptr + first + j, owner, mask=j < c)
+        hit = (r[:, None] == bucket_runs[None, :]) & in_range[:, None] & kmask[None, :]
+        tl.store(
+            bucket_chunk_bounds_ptr + kk[None, :] + 0 * r[:, None],
+            (first[:, None] + 0 * kk[None, :]).to(bucket_chunk_bounds_ptr.dtype.element_ty),
+            mask=hit,
+        )
+        carry += tl.sum(c, axis=0)

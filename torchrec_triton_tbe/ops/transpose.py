@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from torchrec_triton_tbe.kernels.transpose import (
-    _chunk_runs_kernel,
+    _chunk_offsets_kernel,
     _linearize_kernel,
     _run_chunks_kernel,
     _run_flags_kernel,
@@ -20,8 +20,6 @@ from torchrec_triton_tbe.kernels.transpose import (
 )
 from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
-
-RUN_STARTS_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +85,18 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     return keys, bags, bag_shift
 
 
+def scan_geometry(N: int, run_block: int, scan_programs: int) -> tuple[int, int]:
+    """(seg, programs) of the run-metadata passes over N + 1 items (slots, or runs 0..N): seg is a
+    multiple of run_block, and programs = cdiv(N + 1, seg) <= scan_programs."""
+    per_program = cdiv(cdiv(N + 1, run_block), scan_programs)
+    seg = per_program * run_block
+    return seg, cdiv(N + 1, seg)
+
+
 def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
     N = indices.numel()
     device = indices.device
-    bcfg = spec.config.backward
+    bcfg, tcfg = spec.config.backward, spec.config.transpose
     keys, bags, bag_shift = linearize(spec, indices, offsets, B)
     # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
     sorted_keys, perm = torch.sort(keys, stable=True)
@@ -100,43 +106,46 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     max_chunks = N // chunk + N // threshold + 1
     bounds = spec.tensors.bucket_key_bounds
     num_bounds = bounds.numel()
-    block_k = next_pow2(num_bounds)
-    # Small batches are launch-bound (the host issues ops slower than the GPU runs them): every
-    # table below comes from one Triton launch or one scan, with nothing but allocations between.
+    seg, programs = scan_geometry(N, tcfg.run_block, tcfg.scan_programs)
+    # Small batches are launch-bound (the host issues ops slower than the GPU runs them): the tables
+    # below take four Triton launches with nothing but allocations between them.
     sorted_bags = torch.empty_like(bags)
     run_start = torch.empty(N + 1, dtype=idt, device=device)
     bucket_run_bounds = torch.empty(num_bounds, dtype=idt, device=device)
-    chunk_counts = torch.empty(N + 1, dtype=idt, device=device)
+    run_chunk_begin = torch.empty(N + 1, dtype=idt, device=device)
     chunk_run = torch.empty(max_chunks, dtype=idt, device=device)
     bucket_chunk_bounds = torch.empty(num_bounds, dtype=idt, device=device)
-    if N:
-        flags = torch.empty(N, dtype=idt, device=device)
-        grid = (cdiv(N, RUN_STARTS_BLOCK),)
-        grid_runs = (cdiv(N + 1, RUN_STARTS_BLOCK),)
-        launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, flags, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
-        run_count = torch.cumsum(flags, 0, dtype=idt)
-        launch(_run_starts_kernel, grid_runs, (sorted_keys, run_count, run_start, N), dict(BLOCK=RUN_STARTS_BLOCK), 4)
-        launch(
-            _run_chunks_kernel,
-            grid_runs,
-            (run_start, sorted_keys, bounds, chunk_counts, bucket_run_bounds, N, threshold, chunk, num_bounds),
-            dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
-            4,
-        )
-        # Inclusive sum after a leading 0: the first chunk of each run (exclusive prefix sum of chunks).
-        run_chunk_begin = torch.cumsum(chunk_counts, 0, dtype=idt)
-        launch(
-            _chunk_runs_kernel,
-            grid,
-            (run_chunk_begin, bucket_run_bounds, chunk_run, bucket_chunk_bounds, N, num_bounds),
-            dict(BLOCK=RUN_STARTS_BLOCK, BLOCK_K=block_k),
-            4,
-        )
-    else:
-        run_start.zero_()
-        bucket_run_bounds.zero_()
-        bucket_chunk_bounds.zero_()
-        run_chunk_begin = chunk_counts.zero_()
+    program_totals = torch.empty(2, programs, dtype=idt, device=device)  # runs, chunks per program
+    run_block, scan = tcfg.run_block, min(next_pow2(tcfg.scan_programs), 1024)
+    launch(
+        _run_flags_kernel,
+        (programs,),
+        (sorted_keys, perm, bags, sorted_bags, program_totals[0], N, seg),
+        dict(BLOCK=run_block),
+        4,
+    )
+    launch(
+        _run_starts_kernel,
+        (programs,),
+        (sorted_keys, program_totals[0], run_start, N, seg, programs),
+        dict(BLOCK=run_block, SCAN=scan),
+        4,
+    )
+    launch(
+        _run_chunks_kernel,
+        (programs,),
+        (run_start, sorted_keys, bounds, program_totals[1], bucket_run_bounds, N, threshold, chunk, num_bounds, seg),
+        dict(BLOCK=run_block, BLOCK_K=next_pow2(num_bounds)),
+        4,
+    )
+    launch(
+        _chunk_offsets_kernel,
+        (programs,),
+        (run_start, program_totals[1], bucket_run_bounds, run_chunk_begin, chunk_run, bucket_chunk_bounds,
+         N, threshold, chunk, num_bounds, seg, programs),
+        dict(BLOCK=run_block, SCAN=scan, BLOCK_K=next_pow2(num_bounds)),
+        4,
+    )
     return RunPlan(
         num_lookups=N,
         sorted_keys=sorted_keys,
