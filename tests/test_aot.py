@@ -18,6 +18,7 @@ KERNELS = {
     "_run_starts_kernel",
     "_run_chunks_kernel",
     "_chunk_offsets_kernel",
+    "_scan_totals_kernel",
     "_backward_short_kernel",
     "_backward_long_partials_kernel",
     "_backward_long_apply_kernel",

@@ -82,12 +82,25 @@ def test_run_plan_matches_a_torch_derivation(threshold, chunk):
     assert stats["runs"] == starts.numel() and stats["long_chunks"] == total
 
 
-@pytest.mark.parametrize("N,run_block,scan_programs", [(0, 16, 4), (15, 16, 4), (16, 16, 4), (1000, 16, 4),
-                                                       (41_943_040, 1024, 4096), (2**31, 1024, 4096)])
-def test_scan_geometry_covers_every_item_within_the_program_cap(N, run_block, scan_programs):
-    seg, programs = tr_ops.scan_geometry(N, run_block, scan_programs)
-    assert seg % run_block == 0 and programs <= scan_programs
-    assert programs * seg >= N + 1 > (programs - 1) * seg  # slots 0..N-1 and run N, no empty program
+def test_run_block_changes_no_table():
+    """transpose.run_block (slots per program of the metadata passes) is a knob: one program or many,
+    the run plan's tables are identical (chunk owners compared over the live chunks)."""
+    import dataclasses
+
+    ours, _ = make_pair(SPECS, FTM)
+    B = 9
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B, 6, torch.Generator().manual_seed(4))
+    plans = []
+    for run_block in (4, 16, 1024):
+        cfg = ours.spec.config
+        cfg = dataclasses.replace(cfg, transpose=dataclasses.replace(cfg.transpose, run_block=run_block))
+        plans.append(tr_ops.build_runs(dataclasses.replace(ours.spec, config=cfg), batch.indices, batch.offsets, B))
+    for other in plans[1:]:
+        for name in ("sorted_keys", "perm", "sorted_bags", "run_start", "bucket_run_bounds", "run_chunk_begin",
+                     "bucket_chunk_bounds"):
+            assert torch.equal(getattr(plans[0], name), getattr(other, name)), name
+        live = int(plans[0].run_chunk_begin[-1])
+        assert torch.equal(plans[0].chunk_run[:live], other.chunk_run[:live])
 
 
 def test_empty_batch_plan():

@@ -66,10 +66,8 @@ class TransposeConfig:
     bags_per_program: int  # bags linearized side by side per program
     lookups_per_step: int  # ids of each bag read per step
     num_warps: int
-    # Run metadata (kernels/transpose.py): slots / runs per step of a program, and the most programs a
-    # metadata pass uses (each program sums the totals of the programs before it: keep it small).
+    # Run metadata (kernels/transpose.py): slots / runs per program of a metadata pass.
     run_block: int = 1024
-    scan_programs: int = 4096
 
 
 # Schedules of the long-run (split-K) backward, identical in results (kernels/backward_long.py).
@@ -161,7 +159,6 @@ class KernelConfig:
                 lookups_per_step=int(tr["lookups_per_step"]),
                 num_warps=int(tr["num_warps"]),
                 run_block=int(tr.get("run_block", 1024)),
-                scan_programs=int(tr.get("scan_programs", 4096)),
             ),
             backward=BackwardConfig(
                 short_threshold=int(b["short_threshold"]),
@@ -203,7 +200,6 @@ class KernelConfig:
             ("transpose.lookups_per_step", self.transpose.lookups_per_step),
             ("transpose.num_warps", self.transpose.num_warps),
             ("transpose.run_block", self.transpose.run_block),
-            ("transpose.scan_programs", self.transpose.scan_programs),
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")

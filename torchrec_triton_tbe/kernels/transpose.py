@@ -1,10 +1,10 @@
 """Transpose kernels: lookups in batch order -> sort keys, then sorted keys -> runs (one per row).
 
-The run metadata is two scans (run starts over slots, chunk offsets over runs), each split in two
-launches without a tensor op between them: the first pass writes one total per program, the second
-pass's program p adds the totals of programs 0..p-1 (at most `scan_programs` of them, a few vector
-loads from L2) to its own running sum. Programs take `seg` consecutive slots (or runs) in steps of
-BLOCK; the host picks seg so that N + 1 items need at most `scan_programs` programs.
+The run metadata is two scans (run starts over slots, chunk offsets over runs), each in three
+launches without a tensor op between them: a pass that writes one total per program of BLOCK slots
+(or runs), one program that turns the totals into exclusive prefixes in place (N / BLOCK of them: a
+few dozen steps on the largest batches), and a pass whose program p starts its running sum at its
+prefix. Every program handles one block, so the passes keep the GPU as busy as elementwise kernels.
 
 Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8 B) and a bag id
 (4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B) and
@@ -62,16 +62,19 @@ def _linearize_kernel(
 
 
 @triton.jit
-def _block_prefix(totals_ptr, p, num_programs, SCAN: tl.constexpr):
-    """(sum of totals[0:p], sum of totals[0:num_programs]) in int64."""
-    before = tl.full([], 0, tl.int64)
-    total = tl.full([], 0, tl.int64)
-    for s in range(0, num_programs, SCAN):
-        j = s + tl.arange(0, SCAN)
-        v = tl.load(totals_ptr + j, mask=j < num_programs, other=0).to(tl.int64)
-        before += tl.sum(tl.where(j < p, v, 0), axis=0)
-        total += tl.sum(v, axis=0)
-    return before, total
+def _scan_totals_kernel(totals_ptr, num_programs, BLOCK: tl.constexpr):
+    """
+    Grid: [1]. totals[0:num_programs] (one per program of a metadata pass) become exclusive prefix
+    sums in place, and totals[num_programs] the sum of all of them.
+    """
+    carry = tl.full([], 0, tl.int64)
+    for s in range(0, num_programs, BLOCK):
+        j = s + tl.arange(0, BLOCK)
+        m = j < num_programs
+        v = tl.load(totals_ptr + j, mask=m, other=0).to(tl.int64)
+        tl.store(totals_ptr + j, (carry + tl.cumsum(v, axis=0) - v).to(totals_ptr.dtype.element_ty), mask=m)
+        carry += tl.sum(v, axis=0)
+    tl.store(totals_ptr + num_programs, carry.to(totals_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -83,46 +86,37 @@ def _is_head(sorted_keys_ptr, i, N):
 
 
 @triton.jit
-def _run_flags_kernel(
-    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, seg, BLOCK: tl.constexpr
-):
+def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, BLOCK: tl.constexpr):
     """
-    Grid: [programs]. Over its slots [p * seg, (p + 1) * seg): program_runs[p] = how many runs start
-    there (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag of
-    the lookup the sort put in slot i (one pass for both).
+    Grid: [cdiv(N + 1, BLOCK)]. program_runs[p] = how many runs start in slots [p * BLOCK, (p + 1) *
+    BLOCK) (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag
+    of the lookup the sort put in slot i (one pass for both).
     """
     p = tl.program_id(0)
-    count = tl.full([], 0, tl.int64)
-    for s in range(0, seg, BLOCK):
-        i = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
-        m = i < N
-        count += tl.sum(_is_head(sorted_keys_ptr, i, N).to(tl.int64), axis=0)
-        q = tl.load(perm_ptr + i, mask=m, other=0)
-        tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
+    i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    count = tl.sum(_is_head(sorted_keys_ptr, i, N).to(tl.int64), axis=0)
+    q = tl.load(perm_ptr + i, mask=m, other=0)
+    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _run_starts_kernel(
-    sorted_keys_ptr, program_runs_ptr, run_start_ptr, N, seg, num_programs, BLOCK: tl.constexpr, SCAN: tl.constexpr
-):
+def _run_starts_kernel(sorted_keys_ptr, run_prefix_ptr, run_start_ptr, N, num_programs, BLOCK: tl.constexpr):
     """
-    Grid: [programs]. The run starting at slot i is number (runs before this program) + (run starts
-    up to i in this program) - 1, so run_start[that] = i: every entry written by one program, no
-    atomics, deterministic. Entries from the run count on are N (run r ends where run r + 1 starts);
-    program p writes those of its own index range, and program 0 entry N (always past the last run).
+    Grid: [cdiv(N + 1, BLOCK)]. run_prefix[p] = runs starting before this program's slots (scanned
+    program totals; run_prefix[num_programs] = all runs). The run starting at slot i is number
+    run_prefix[p] + (run starts up to i in this block) - 1, so run_start[that] = i: every entry written
+    by one program, no atomics, deterministic. Entries from the run count on are N (run r ends where
+    run r + 1 starts); program p writes those of its own index range, which holds entry N at the end.
     """
     p = tl.program_id(0)
-    carry, num_runs = _block_prefix(program_runs_ptr, p, num_programs, SCAN)
-    for s in range(0, seg, BLOCK):
-        i = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
-        head = _is_head(sorted_keys_ptr, i, N)
-        r = carry + tl.cumsum(head.to(tl.int64), axis=0) - 1
-        tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
-        carry += tl.sum(head.to(tl.int64), axis=0)
-        tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
-    if p == 0:
-        tl.store(run_start_ptr + N, (p * 0 + N).to(run_start_ptr.dtype.element_ty))
+    i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    head = _is_head(sorted_keys_ptr, i, N)
+    r = tl.load(run_prefix_ptr + p).to(tl.int64) + tl.cumsum(head.to(tl.int64), axis=0) - 1
+    tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
+    num_runs = tl.load(run_prefix_ptr + num_programs).to(tl.int64)
+    tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
 
 
 @triton.jit
@@ -145,46 +139,43 @@ def _run_chunks_kernel(
     threshold,
     chunk,
     num_bounds,
-    seg,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """
-    Grid: [programs], over runs r in [p * seg, (p + 1) * seg) (r <= N).
+    Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK) (r <= N).
     program_chunks[p] = the split-K chunks of its runs (_run_chunk_count).
     bucket_run_bounds[k] = the first run whose key is >= bucket_key_bounds[k] (the run count if
     none): the one r where run r - 1's key is below the bound and run r's key (or the end) is not.
     Buckets are contiguous in key space, so bucket k owns runs [bounds[k], bounds[k + 1]).
     """
     p = tl.program_id(0)
+    r = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    count = tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
+    tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
     bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
-    count = tl.full([], 0, tl.int64)
-    for s in range(0, seg, BLOCK):
-        r = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
-        count += tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
-        in_range = r <= N
-        rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
-        live = rs < N
-        key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
-        prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
-        prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
-        below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
-        reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
-        hit = below & reaches & in_range[:, None] & kmask[None, :]
-        tl.store(
-            bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
-            (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
-            mask=hit,
-        )
-    tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
+    in_range = r <= N
+    rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
+    live = rs < N
+    key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
+    prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
+    prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
+    below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
+    reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
+    hit = below & reaches & in_range[:, None] & kmask[None, :]
+    tl.store(
+        bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
+        (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
+        mask=hit,
+    )
 
 
 @triton.jit
 def _chunk_offsets_kernel(
     run_start_ptr,
-    program_chunks_ptr,
+    chunk_prefix_ptr,
     bucket_run_bounds_ptr,
     run_chunk_begin_ptr,
     chunk_run_ptr,
@@ -193,38 +184,33 @@ def _chunk_offsets_kernel(
     threshold,
     chunk,
     num_bounds,
-    seg,
-    num_programs,
     BLOCK: tl.constexpr,
-    SCAN: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """
-    Grid: [programs], over runs r in [p * seg, (p + 1) * seg) (r <= N).
+    Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK) (r <= N).
+    chunk_prefix[p]: the chunks of the runs before this program's (scanned program totals).
     run_chunk_begin[r] = the chunks of all runs before r (exclusive prefix sum; entry N = all chunks);
     chunk_run[c] = r for each chunk c of run r (one store per lane and step, as many steps as the
-    step's longest run has chunks; slots past the live chunks are not written: the long-path kernels
+    block's longest run has chunks; slots past the live chunks are not written: the long-path kernels
     stop at bucket_chunk_bounds[K]); bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]],
     written by the program holding that run.
     """
     p = tl.program_id(0)
-    carry, _ = _block_prefix(program_chunks_ptr, p, num_programs, SCAN)
+    r = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = r <= N
+    c = _run_chunk_count(run_start_ptr, r, N, threshold, chunk)
+    first = tl.load(chunk_prefix_ptr + p).to(tl.int64) + tl.cumsum(c, axis=0) - c
+    tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
+    owner = r.to(chunk_run_ptr.dtype.element_ty)
+    for j in range(0, tl.max(c, axis=0)):
+        tl.store(chunk_run_ptr + first + j, owner, mask=j < c)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
     bucket_runs = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=-1).to(tl.int64)
-    for s in range(0, seg, BLOCK):
-        r = p.to(tl.int64) * seg + s + tl.arange(0, BLOCK)
-        in_range = r <= N
-        c = _run_chunk_count(run_start_ptr, r, N, threshold, chunk)
-        first = carry + tl.cumsum(c, axis=0) - c
-        tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
-        owner = r.to(chunk_run_ptr.dtype.element_ty)
-        for j in range(0, tl.max(c, axis=0)):
-            tl.store(chunk_run_ptr + first + j, owner, mask=j < c)
-        hit = (r[:, None] == bucket_runs[None, :]) & in_range[:, None] & kmask[None, :]
-        tl.store(
-            bucket_chunk_bounds_ptr + kk[None, :] + 0 * r[:, None],
-            (first[:, None] + 0 * kk[None, :]).to(bucket_chunk_bounds_ptr.dtype.element_ty),
-            mask=hit,
-        )
-        carry += tl.sum(c, axis=0)
+    hit = (r[:, None] == bucket_runs[None, :]) & in_range[:, None] & kmask[None, :]
+    tl.store(
+        bucket_chunk_bounds_ptr + kk[None, :] + 0 * r[:, None],
+        (first[:, None] + 0 * kk[None, :]).to(bucket_chunk_bounds_ptr.dtype.element_ty),
+        mask=hit,
+    )

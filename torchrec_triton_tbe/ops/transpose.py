@@ -17,6 +17,7 @@ from torchrec_triton_tbe.kernels.transpose import (
     _run_chunks_kernel,
     _run_flags_kernel,
     _run_starts_kernel,
+    _scan_totals_kernel,
 )
 from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
@@ -85,14 +86,6 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     return keys, bags, bag_shift
 
 
-def scan_geometry(N: int, run_block: int, scan_programs: int) -> tuple[int, int]:
-    """(seg, programs) of the run-metadata passes over N + 1 items (slots, or runs 0..N): seg is a
-    multiple of run_block, and programs = cdiv(N + 1, seg) <= scan_programs."""
-    per_program = cdiv(cdiv(N + 1, run_block), scan_programs)
-    seg = per_program * run_block
-    return seg, cdiv(N + 1, seg)
-
-
 def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
     N = indices.numel()
     device = indices.device
@@ -106,44 +99,38 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     max_chunks = N // chunk + N // threshold + 1
     bounds = spec.tensors.bucket_key_bounds
     num_bounds = bounds.numel()
-    seg, programs = scan_geometry(N, tcfg.run_block, tcfg.scan_programs)
+    run_block = tcfg.run_block
+    programs = cdiv(N + 1, run_block)  # one block of slots (or runs 0..N) each
     # Small batches are launch-bound (the host issues ops slower than the GPU runs them): the tables
-    # below take four Triton launches with nothing but allocations between them.
+    # below take six Triton launches with nothing but allocations between them.
     sorted_bags = torch.empty_like(bags)
     run_start = torch.empty(N + 1, dtype=idt, device=device)
     bucket_run_bounds = torch.empty(num_bounds, dtype=idt, device=device)
     run_chunk_begin = torch.empty(N + 1, dtype=idt, device=device)
     chunk_run = torch.empty(max_chunks, dtype=idt, device=device)
     bucket_chunk_bounds = torch.empty(num_bounds, dtype=idt, device=device)
-    program_totals = torch.empty(2, programs, dtype=idt, device=device)  # runs, chunks per program
-    run_block, scan = tcfg.run_block, min(next_pow2(tcfg.scan_programs), 1024)
-    launch(
-        _run_flags_kernel,
-        (programs,),
-        (sorted_keys, perm, bags, sorted_bags, program_totals[0], N, seg),
-        dict(BLOCK=run_block),
-        4,
-    )
-    launch(
-        _run_starts_kernel,
-        (programs,),
-        (sorted_keys, program_totals[0], run_start, N, seg, programs),
-        dict(BLOCK=run_block, SCAN=scan),
-        4,
-    )
+    # Per program: runs (row 0) and chunks (row 1), scanned in place; the last column holds the sums.
+    totals = torch.empty(2, programs + 1, dtype=idt, device=device)
+    run_totals, chunk_totals = totals[0], totals[1]
+    block_k = next_pow2(num_bounds)
+    grid = (programs,)
+    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), dict(BLOCK=run_block), 4)
+    launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=run_block), 4)
+    launch(_run_starts_kernel, grid, (sorted_keys, run_totals, run_start, N, programs), dict(BLOCK=run_block), 4)
     launch(
         _run_chunks_kernel,
-        (programs,),
-        (run_start, sorted_keys, bounds, program_totals[1], bucket_run_bounds, N, threshold, chunk, num_bounds, seg),
-        dict(BLOCK=run_block, BLOCK_K=next_pow2(num_bounds)),
+        grid,
+        (run_start, sorted_keys, bounds, chunk_totals, bucket_run_bounds, N, threshold, chunk, num_bounds),
+        dict(BLOCK=run_block, BLOCK_K=block_k),
         4,
     )
+    launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=run_block), 4)
     launch(
         _chunk_offsets_kernel,
-        (programs,),
-        (run_start, program_totals[1], bucket_run_bounds, run_chunk_begin, chunk_run, bucket_chunk_bounds,
-         N, threshold, chunk, num_bounds, seg, programs),
-        dict(BLOCK=run_block, SCAN=scan, BLOCK_K=next_pow2(num_bounds)),
+        grid,
+        (run_start, chunk_totals, bucket_run_bounds, run_chunk_begin, chunk_run, bucket_chunk_bounds,
+         N, threshold, chunk, num_bounds),
+        dict(BLOCK=run_block, BLOCK_K=block_k),
         4,
     )
     return RunPlan(
