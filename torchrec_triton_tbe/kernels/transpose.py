@@ -10,8 +10,8 @@ Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8
 (4 B); run flags read one key (its neighbour comes from cache) and the sort's permutation (8 B) and
 gather the bag id (a 32 B sector for 4 B: the one random access), writing 4 B; run starts read the
 key again and write 4 B per run (N past the last run); run chunks read two run starts (one from
-cache) and the first key of each run (a random 4 B read, live runs only); chunk offsets read the two
-run starts again and write 4 B per run plus 4 B per long-run chunk. Every table is sized by N; no
+cache); chunk offsets read the two run starts again and write 4 B per run plus 4 B per long-run
+chunk. Every table is sized by N; no
 kernel here needs a count that only the device knows.
 """
 
@@ -102,21 +102,54 @@ def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, prog
 
 
 @triton.jit
-def _run_starts_kernel(sorted_keys_ptr, run_prefix_ptr, run_start_ptr, N, num_programs, BLOCK: tl.constexpr):
+def _run_starts_kernel(
+    sorted_keys_ptr,
+    run_prefix_ptr,
+    bucket_key_bounds_ptr,
+    run_start_ptr,
+    bucket_run_bounds_ptr,
+    N,
+    num_programs,
+    num_bounds,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """
     Grid: [cdiv(N + 1, BLOCK)]. run_prefix[p] = runs starting before this program's slots (scanned
     program totals; run_prefix[num_programs] = all runs). The run starting at slot i is number
     run_prefix[p] + (run starts up to i in this block) - 1, so run_start[that] = i: every entry written
     by one program, no atomics, deterministic. Entries from the run count on are N (run r ends where
     run r + 1 starts); program p writes those of its own index range, which holds entry N at the end.
+
+    bucket_run_bounds[k] = the first run whose key is >= bucket_key_bounds[k] (the run count when no
+    key is): the one run start (or the end, slot N) whose key reaches the bound while the previous
+    slot's key is below it. Buckets are contiguous in key space, so bucket k owns runs
+    [bounds[k], bounds[k + 1]).
     """
     p = tl.program_id(0)
     i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    head = _is_head(sorted_keys_ptr, i, N)
+    m = i < N
+    key = tl.load(sorted_keys_ptr + i, mask=m, other=0).to(tl.int64)
+    prev = tl.load(sorted_keys_ptr + i - 1, mask=(i > 0) & (i <= N), other=0).to(tl.int64)
+    head = m & ((i == 0) | (key != prev))
     r = tl.load(run_prefix_ptr + p).to(tl.int64) + tl.cumsum(head.to(tl.int64), axis=0) - 1
     tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
     num_runs = tl.load(run_prefix_ptr + num_programs).to(tl.int64)
     tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
+
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_bounds
+    bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
+    end = i == N
+    below = (i == 0)[:, None] | (prev[:, None] < bound[None, :])
+    reaches = end[:, None] | (bound[None, :] <= key[:, None])
+    hit = (head | end)[:, None] & below & reaches & kmask[None, :]
+    run = tl.where(end, num_runs, r)
+    tl.store(
+        bucket_run_bounds_ptr + kk[None, :] + 0 * i[:, None],
+        (run[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
+        mask=hit,
+    )
 
 
 @triton.jit
@@ -129,47 +162,13 @@ def _run_chunk_count(run_start_ptr, r, N, threshold, chunk):
 
 
 @triton.jit
-def _run_chunks_kernel(
-    run_start_ptr,
-    sorted_keys_ptr,
-    bucket_key_bounds_ptr,
-    program_chunks_ptr,
-    bucket_run_bounds_ptr,
-    N,
-    threshold,
-    chunk,
-    num_bounds,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """
-    Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK) (r <= N).
-    program_chunks[p] = the split-K chunks of its runs (_run_chunk_count).
-    bucket_run_bounds[k] = the first run whose key is >= bucket_key_bounds[k] (the run count if
-    none): the one r where run r - 1's key is below the bound and run r's key (or the end) is not.
-    Buckets are contiguous in key space, so bucket k owns runs [bounds[k], bounds[k + 1]).
-    """
+def _run_chunks_kernel(run_start_ptr, program_chunks_ptr, N, threshold, chunk, BLOCK: tl.constexpr):
+    """Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK):
+    program_chunks[p] = the split-K chunks of its runs (_run_chunk_count)."""
     p = tl.program_id(0)
     r = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     count = tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
     tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < num_bounds
-    bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
-    in_range = r <= N
-    rs = tl.load(run_start_ptr + r, mask=in_range, other=N).to(tl.int64)
-    live = rs < N
-    key = tl.load(sorted_keys_ptr + rs, mask=in_range & live, other=0).to(tl.int64)
-    prs = tl.load(run_start_ptr + r - 1, mask=in_range & (r > 0), other=N).to(tl.int64)
-    prev_key = tl.load(sorted_keys_ptr + prs, mask=in_range & (prs < N), other=0).to(tl.int64)
-    below = (r == 0)[:, None] | ((prs < N)[:, None] & (prev_key[:, None] < bound[None, :]))
-    reaches = (~live)[:, None] | (bound[None, :] <= key[:, None])
-    hit = below & reaches & in_range[:, None] & kmask[None, :]
-    tl.store(
-        bucket_run_bounds_ptr + kk[None, :] + 0 * r[:, None],
-        (r[:, None] + 0 * kk[None, :]).to(bucket_run_bounds_ptr.dtype.element_ty),
-        mask=hit,
-    )
 
 
 @triton.jit

@@ -116,14 +116,14 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     grid = (programs,)
     launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), dict(BLOCK=run_block), 4)
     launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=run_block), 4)
-    launch(_run_starts_kernel, grid, (sorted_keys, run_totals, run_start, N, programs), dict(BLOCK=run_block), 4)
     launch(
-        _run_chunks_kernel,
+        _run_starts_kernel,
         grid,
-        (run_start, sorted_keys, bounds, chunk_totals, bucket_run_bounds, N, threshold, chunk, num_bounds),
+        (sorted_keys, run_totals, bounds, run_start, bucket_run_bounds, N, programs, num_bounds),
         dict(BLOCK=run_block, BLOCK_K=block_k),
         4,
     )
+    launch(_run_chunks_kernel, grid, (run_start, chunk_totals, N, threshold, chunk), dict(BLOCK=run_block), 4)
     launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=run_block), 4)
     launch(
         _chunk_offsets_kernel,
