@@ -1,9 +1,10 @@
 """Kernel launches without Triton's per-call argument binding.
 
 Why: on small batches the host issues kernels slower than the GPU runs them (FBGEMM's default shape:
-0.77 ms to issue a backward whose kernels take 0.32 ms on the H200, tools/host_profile.py), and most
-of a ``kernel[grid](...)`` call is Triton re-deriving every argument's specialization through its
-generated binder and hashing it into a cache key (~30 µs for a 31-argument kernel). ``launch`` keys
+0.77-0.89 ms to issue a backward whose kernels take ~0.25 ms on the H200, tools/host_profile.py), and
+much of a ``kernel[grid](...)`` call is Triton re-deriving every argument's specialization through its
+generated binder and hashing it into a cache key (27 + 3 µs for the 31-argument short kernel on our
+2-core CPU machine, Triton 3.8). ``launch`` keys
 the compiled kernel on the same properties, computed in one pass over the arguments, and calls the
 compiled kernel's launcher directly on a hit; a miss goes through ``kernel[grid]`` (compiling if
 needed) and caches what it returns.
