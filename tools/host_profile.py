@@ -18,12 +18,11 @@ import pstats
 import time
 
 import torch
-import triton
 
-from torchrec_triton_tbe._fbgemm import BoundsCheckMode, ComputeDevice, EmbeddingLocation, EmbOptimType, SparseType
+from torchrec_triton_tbe._fbgemm import ComputeDevice, EmbeddingLocation
 from torchrec_triton_tbe.module import TritonTBE
 
-from sweep import SHAPES  # noqa: E402  (tools/ is on sys.path when this script runs)
+from sweep import SHAPES, shape_case  # noqa: E402  (tools/ is on sys.path when this script runs)
 
 
 def host_and_event_ms(fn, prep=None, reps=50):
@@ -79,23 +78,16 @@ def main():
     args = ap.parse_args()
     logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-    from fbgemm_gpu.tbe.utils import generate_requests
 
-    s = SHAPES[args.shape]
-    B, T, E, D, L = s["B"], s["T"], s["E"], s["D"], s["L"]
-    opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.optimizer == "rowwise" else EmbOptimType.EXACT_SGD
+    s, kw, idx, off, grad = shape_case(args.shape, args.optimizer)
+    B, T, E, D = s["B"], s["T"], s["E"], s["D"]
     dev = torch.device("cuda")
-    kw = dict(optimizer=opt, weights_precision=SparseType.FP16, output_dtype=SparseType.FP32, learning_rate=0.01,
-              bounds_check_mode=BoundsCheckMode.NONE, stochastic_rounding=False)
     modules = {
         "triton": TritonTBE([(E, D)] * T, device=dev, **kw),
         "fbgemm": SplitTableBatchedEmbeddingBagsCodegen(
             [(E, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T, **kw
         ),
     }
-    req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
-    idx, off = req.indices.to(dev), req.offsets.to(dev)
-    grad = torch.randn(B, T * D, device=dev)
     res = {"shape": args.shape, **s, "optimizer": args.optimizer, "lookups": idx.numel()}
     for name, m in modules.items():
         holder = {}

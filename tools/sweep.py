@@ -45,6 +45,21 @@ SHAPES = {
     "d256": dict(B=65536, T=16, E=1_000_000, D=256, L=20, alpha=1.15),
     "fp32": dict(B=65536, T=16, E=1_000_000, D=128, L=20, alpha=1.15),  # the suite's fp32 shape (--weights fp32)
 }
+
+
+def shape_case(name: str, optimizer: str = "rowwise", device: str = "cuda") -> tuple:
+    """One shape as the stage / host profiles use it: (dims, TBE keyword arguments, ids, offsets, fp32
+    output gradient). FBGEMM's request generator; fp16 weights, fp32 output, bounds check off and
+    stochastic rounding off, as in the suite (FBGEMM's benchmark defaults)."""
+    from fbgemm_gpu.tbe.utils import generate_requests
+
+    s = SHAPES[name]
+    opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD if optimizer == "rowwise" else EmbOptimType.EXACT_SGD
+    kw = dict(optimizer=opt, weights_precision=SparseType.FP16, output_dtype=SparseType.FP32, learning_rate=0.01,
+              bounds_check_mode=BoundsCheckMode.NONE, stochastic_rounding=False)
+    req = generate_requests(1, s["B"], s["T"], s["L"], s["E"], alpha=s["alpha"])[0]
+    grad = torch.randn(s["B"], s["T"] * s["D"], device=device)
+    return s, kw, req.indices.to(device), req.offsets.to(device), grad
 FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
 BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32], waves=[1])
 ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[64, 256, 1024], long_path=["split", "fused"])
