@@ -83,17 +83,20 @@ def test_run_plan_matches_a_torch_derivation(threshold, chunk):
 
 
 def test_run_block_changes_no_table():
-    """transpose.run_block (slots per program of the metadata passes) is a knob: one program or many,
-    the run plan's tables are identical (chunk owners compared over the live chunks)."""
+    """transpose.run_block (slots per program of the metadata passes) and scan_block (step of the totals'
+    scan) are knobs: one program or many, one scan step or many, the run plan's tables are identical
+    (chunk owners compared over the live chunks)."""
     import dataclasses
 
     ours, _ = make_pair(SPECS, FTM)
     B = 9
     batch = skewed_batch([r for r, _ in SPECS], FTM, B, 6, torch.Generator().manual_seed(4))
     plans = []
-    for run_block in (4, 16, 1024):
+    for run_block, scan_block in ((4, 2), (16, 4), (16, 1024), (1024, 8)):
         cfg = ours.spec.config
-        cfg = dataclasses.replace(cfg, transpose=dataclasses.replace(cfg.transpose, run_block=run_block))
+        cfg = dataclasses.replace(
+            cfg, transpose=dataclasses.replace(cfg.transpose, run_block=run_block, scan_block=scan_block)
+        )
         plans.append(tr_ops.build_runs(dataclasses.replace(ours.spec, config=cfg), batch.indices, batch.offsets, B))
     for other in plans[1:]:
         for name in ("sorted_keys", "perm", "sorted_bags", "run_start", "bucket_run_bounds", "run_chunk_begin",

@@ -66,8 +66,12 @@ class TransposeConfig:
     bags_per_program: int  # bags linearized side by side per program
     lookups_per_step: int  # ids of each bag read per step
     num_warps: int
-    # Run metadata (kernels/transpose.py): slots / runs per program of a metadata pass.
+    # Run metadata (kernels/transpose.py): slots / runs per program of a metadata pass, and the step
+    # width / warps of the one-program scan of the per-program totals between the passes (serial: on
+    # 42 M lookups 41 k totals take 41 steps of 1,024).
     run_block: int = 1024
+    scan_block: int = 1024
+    scan_warps: int = 4
 
 
 # Schedules of the long-run (split-K) backward, identical in results (kernels/backward_long.py).
@@ -159,6 +163,8 @@ class KernelConfig:
                 lookups_per_step=int(tr["lookups_per_step"]),
                 num_warps=int(tr["num_warps"]),
                 run_block=int(tr.get("run_block", 1024)),
+                scan_block=int(tr.get("scan_block", 1024)),
+                scan_warps=int(tr.get("scan_warps", 4)),
             ),
             backward=BackwardConfig(
                 short_threshold=int(b["short_threshold"]),
@@ -200,6 +206,8 @@ class KernelConfig:
             ("transpose.lookups_per_step", self.transpose.lookups_per_step),
             ("transpose.num_warps", self.transpose.num_warps),
             ("transpose.run_block", self.transpose.run_block),
+            ("transpose.scan_block", self.transpose.scan_block),
+            ("transpose.scan_warps", self.transpose.scan_warps),
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")

@@ -115,7 +115,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     block_k = next_pow2(num_bounds)
     grid = (programs,)
     launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), dict(BLOCK=run_block), 4)
-    launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=run_block), 4)
+    launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _run_starts_kernel,
         grid,
@@ -124,7 +124,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         4,
     )
     launch(_run_chunks_kernel, grid, (run_start, chunk_totals, N, threshold, chunk), dict(BLOCK=run_block), 4)
-    launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=run_block), 4)
+    launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _chunk_offsets_kernel,
         grid,
