@@ -9,11 +9,9 @@ event-timed median, the GPU time of the kernels it launched (torch.profiler), an
 of our host-side Python.
 """
 
-import argparse
 import cProfile
 import io
 import json
-import logging
 import pstats
 import time
 
@@ -22,7 +20,7 @@ import torch
 from torchrec_triton_tbe._fbgemm import ComputeDevice, EmbeddingLocation
 from torchrec_triton_tbe.module import TritonTBE
 
-from sweep import SHAPES, shape_case  # noqa: E402  (tools/ is on sys.path when this script runs)
+from sweep import profile_case  # noqa: E402  (tools/ is on sys.path when this script runs)
 
 
 def host_and_event_ms(fn, prep=None, reps=50):
@@ -71,15 +69,9 @@ def gpu_kernels(fn, prep=None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="default", choices=sorted(SHAPES))
-    ap.add_argument("--optimizer", default="rowwise", choices=["sgd", "rowwise"])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    s, kw, idx, off, grad = shape_case(args.shape, args.optimizer)
+    args, s, kw, idx, off, grad = profile_case("default", __doc__)
     B, T, E, D = s["B"], s["T"], s["E"], s["D"]
     dev = torch.device("cuda")
     modules = {

@@ -7,9 +7,7 @@ in isolation on the same batch: linearize, sort, run metadata, the short/long up
 whole backward, next to FBGEMM's forward and backward on the same batch when fbgemm_gpu has CUDA.
 """
 
-import argparse
 import json
-import logging
 
 import torch
 import triton
@@ -19,7 +17,7 @@ from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops import backward as bwd_ops
 from torchrec_triton_tbe.ops import transpose as tr_ops
 
-from sweep import SHAPES, shape_case  # noqa: E402  (tools/ is on sys.path when this script runs)
+from sweep import profile_case  # noqa: E402  (tools/ is on sys.path when this script runs)
 
 
 def bench(fn, reps=20):
@@ -41,15 +39,9 @@ def timed_backward(module, idx, off, grad, reps=10):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="uniform", choices=sorted(SHAPES))
-    ap.add_argument("--optimizer", default="rowwise", choices=["sgd", "rowwise"])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    s, kw, idx, off, grad = shape_case(args.shape, args.optimizer)
+    args, s, kw, idx, off, grad = profile_case("uniform", __doc__)
     B, T, E, D = s["B"], s["T"], s["E"], s["D"]
     dev = torch.device("cuda")
     ours = TritonTBE([(E, D)] * T, device=dev, **kw)

@@ -47,6 +47,18 @@ SHAPES = {
 }
 
 
+def profile_case(default_shape: str, doc: str) -> tuple:
+    """The command line of the profile tools (--shape, --optimizer, --json) and their shape_case:
+    (args, dims, TBE keyword arguments, ids, offsets, gradient)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=default_shape, choices=sorted(SHAPES))
+    ap.add_argument("--optimizer", default="rowwise", choices=["sgd", "rowwise"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+    return (args, *shape_case(args.shape, args.optimizer))
+
+
 def shape_case(name: str, optimizer: str = "rowwise", device: str = "cuda") -> tuple:
     """One shape as the stage / host profiles use it: (dims, TBE keyword arguments, ids, offsets, fp32
     output gradient). FBGEMM's request generator; fp16 weights, fp32 output, bounds check off and

@@ -45,6 +45,12 @@ class KnobTable:
         return KnobTable(int(value["default"]), pairs)
 
 
+def _by_weights(table: KnobTable, fp32_table: Optional[KnobTable], block_d: int, weight_bytes: int) -> int:
+    """A knob with its own table for fp32 weights (rows twice as wide as fp16/bf16 rows of that BLOCK_D);
+    without one, the shared table."""
+    return (fp32_table if weight_bytes >= 4 and fp32_table is not None else table).get(block_d)
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     bags_per_program: int  # groups of bag_lanes bags pooled one after another per program
@@ -57,8 +63,7 @@ class ForwardConfig:
     bag_lanes_fp32: Optional[KnobTable] = None
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
-        table = self.bag_lanes_fp32 if weight_bytes >= 4 and self.bag_lanes_fp32 is not None else self.bag_lanes
-        return table.get(block_d)
+        return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +101,7 @@ class BackwardConfig:
     tile_fp32: Optional[KnobTable] = None
 
     def tiles(self, block_d: int, weight_bytes: int) -> int:
-        table = self.tile_fp32 if weight_bytes >= 4 and self.tile_fp32 is not None else self.tile
-        return table.get(block_d)
+        return _by_weights(self.tile, self.tile_fp32, block_d, weight_bytes)
 
     def grid_programs(self, device: torch.device) -> int:
         if self.programs_per_sm > 0 and device.type == "cuda":

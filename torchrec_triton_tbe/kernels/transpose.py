@@ -11,8 +11,7 @@ Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8
 gather the bag id (a 32 B sector for 4 B: the one random access), writing 4 B; run starts read the
 key again and write 4 B per run (N past the last run); run chunks read two run starts (one from
 cache); chunk offsets read the two run starts again and write 4 B per run plus 4 B per long-run
-chunk. Every table is sized by N; no
-kernel here needs a count that only the device knows.
+chunk. Every table is sized by N; no kernel here needs a count that only the device knows.
 """
 
 import triton
@@ -78,11 +77,12 @@ def _scan_totals_kernel(totals_ptr, num_programs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _is_head(sorted_keys_ptr, i, N):
-    m = i < N
-    key = tl.load(sorted_keys_ptr + i, mask=m)
-    prev = tl.load(sorted_keys_ptr + i - 1, mask=m & (i > 0))
-    return m & ((i == 0) | (key != prev))
+def _slot_keys(sorted_keys_ptr, i, N):
+    """(key, previous slot's key, run start?) of slots i: a run starts at slot 0 and wherever the key
+    changes. The previous key is loaded up to i == N (the end, a bucket-bound candidate)."""
+    key = tl.load(sorted_keys_ptr + i, mask=i < N, other=0).to(tl.int64)
+    prev = tl.load(sorted_keys_ptr + i - 1, mask=(i > 0) & (i <= N), other=0).to(tl.int64)
+    return key, prev, (i < N) & ((i == 0) | (key != prev))
 
 
 @triton.jit
@@ -95,7 +95,8 @@ def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, prog
     p = tl.program_id(0)
     i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    count = tl.sum(_is_head(sorted_keys_ptr, i, N).to(tl.int64), axis=0)
+    _, _, head = _slot_keys(sorted_keys_ptr, i, N)
+    count = tl.sum(head.to(tl.int64), axis=0)
     q = tl.load(perm_ptr + i, mask=m, other=0)
     tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
@@ -128,10 +129,7 @@ def _run_starts_kernel(
     """
     p = tl.program_id(0)
     i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    key = tl.load(sorted_keys_ptr + i, mask=m, other=0).to(tl.int64)
-    prev = tl.load(sorted_keys_ptr + i - 1, mask=(i > 0) & (i <= N), other=0).to(tl.int64)
-    head = m & ((i == 0) | (key != prev))
+    key, prev, head = _slot_keys(sorted_keys_ptr, i, N)
     r = tl.load(run_prefix_ptr + p).to(tl.int64) + tl.cumsum(head.to(tl.int64), axis=0) - 1
     tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
     num_runs = tl.load(run_prefix_ptr + num_programs).to(tl.int64)

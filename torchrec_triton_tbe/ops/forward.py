@@ -28,8 +28,7 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     tile would be masked work and registers; the mean comes from host ints (len(indices), B*T), never
     from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
     the sums changes (fp rounding)."""
-    mean = -(-num_lookups // max(num_bags, 1))  # ceil
-    return min(gather, next_pow2(max(mean, 1)))
+    return min(gather, next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1)))
 
 
 def pooled_forward(
