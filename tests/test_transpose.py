@@ -31,8 +31,10 @@ def test_bag_code_width(num_features, B, shift, dtype):
     assert B - 1 < 2**s and ((num_features - 1) << s | (B - 1)) < (2**31 if dtype == torch.int32 else 2**63)
 
 
-@pytest.mark.parametrize("threshold,chunk", [(1, 1), (3, 2), (4, 3), (10**9, 4)])
-def test_run_plan_matches_a_torch_derivation(threshold, chunk):
+@pytest.mark.parametrize("threshold,chunk,wide", [(1, 1, False), (3, 2, False), (4, 3, True), (10**9, 4, False)])
+def test_run_plan_matches_a_torch_derivation(threshold, chunk, wide, monkeypatch):
+    if wide:  # the 64-bit slot indices of batches past 2**31 lookups, on a small one
+        monkeypatch.setattr(tr_ops, "wide_slots", lambda n, block: True)
     cfg = load_named("interpreter").replace_backward(short_threshold=threshold, long_chunk=chunk)
     ours, _ = make_pair(SPECS, FTM, kernel_config=cfg)
     B = 9

@@ -1,6 +1,6 @@
 """Sweep the kernel knobs of configs/<target>.yaml on the GPU and report (optionally write) the best.
 
-    python tools/sweep.py --target sm90 [--part fwd,bwd,route] [--shapes uniform,zipf] [--write] [--json out.json]
+    python tools/sweep.py --target sm90 [--part fwd,bwd,route,meta] [--shapes uniform,zipf] [--write] [--json out.json]
         [--grid KNOB=V1,V2 ...]
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
@@ -8,7 +8,9 @@ the forward over the forward grid (bags_per_program x gather x num_warps x bag_l
 fp16 weights, so bag_lanes_fp32 is set by hand from fp32 runs) and
 the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm x waves), and
 (part ``route``) run metadata + fused update over the short/long threshold, the long chunk and the
-long-path schedule (split / fused), each the median of CUDA-event timings after a warm-up
+long-path schedule (split / fused), and (part ``meta``) the run metadata alone (linearize, sort and the
+six metadata launches) over the metadata block, the totals' scan step and its warps, each the median
+of CUDA-event timings after a warm-up
 (``triton.testing.do_bench``, which clears L2 between calls). The winner
 of each knob is the configuration with the smallest total time over the swept shapes; ``--write``
 stores it into configs/<target>.yaml (and marks it tuned). Knobs change speed, never results; the CPU
@@ -75,6 +77,7 @@ def shape_case(name: str, optimizer: str = "rowwise", device: str = "cuda") -> t
 FWD_GRID = dict(bags_per_program=[1, 2], gather=[2, 4, 8], num_warps=[1, 2], bag_lanes=[1, 4, 8])
 BWD_GRID = dict(tile=[4, 8, 16, 32], num_warps=[1, 2], programs_per_sm=[16, 32], waves=[1])
 ROUTE_GRID = dict(short_threshold=[64, 256, 1024], long_chunk=[64, 256, 1024], long_path=["split", "fused"])
+META_GRID = dict(run_block=[1024, 2048, 4096], scan_block=[1024, 4096], scan_warps=[4, 8])
 
 
 def median_ms(fn) -> float:
@@ -103,9 +106,9 @@ def main() -> None:
         ap.error("--write tunes the fp16 tables; sweep fp32 weights without it")
     for item in args.grid:
         knob, _, values = item.partition("=")
-        grids = [g for g in (FWD_GRID, BWD_GRID, ROUTE_GRID) if knob in g]
+        grids = [g for g in (FWD_GRID, BWD_GRID, ROUTE_GRID, META_GRID) if knob in g]
         if not grids or not values:
-            ap.error(f"--grid {item}: knobs are {sorted({*FWD_GRID, *BWD_GRID, *ROUTE_GRID})}")
+            ap.error(f"--grid {item}: knobs are {sorted({*FWD_GRID, *BWD_GRID, *ROUTE_GRID, *META_GRID})}")
         for g in grids:
             g[knob] = [v if knob == "long_path" else int(v) for v in values.split(",")]
     logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
@@ -113,7 +116,7 @@ def main() -> None:
 
     base = load_named(args.target)
     dev = torch.device("cuda")
-    results = {"fwd": {}, "bwd": {}, "route": {}}
+    results = {"fwd": {}, "bwd": {}, "route": {}, "meta": {}}
     parts = args.part.split(",")
     for name in args.shapes.split(","):
         s = SHAPES[name]
@@ -187,6 +190,15 @@ def main() -> None:
                     continue
                 results["route"].setdefault((threshold, chunk, long_path), {})[name] = t
                 print(f"route {name:8s} threshold={threshold} chunk={chunk} {long_path}: {t:.3f} ms", flush=True)
+        if "meta" in parts:
+            for run_block, scan_block, scan_warps in itertools.product(*META_GRID.values()):
+                cfg = dataclasses.replace(base, transpose=dataclasses.replace(
+                    base.transpose, run_block=run_block, scan_block=scan_block, scan_warps=scan_warps))
+                spec = dataclasses.replace(m.spec, config=cfg)
+                t = median_ms(lambda: tr_ops.build_runs(spec, idx, off, B))
+                results["meta"].setdefault((run_block, scan_block, scan_warps), {})[name] = t
+                print(f"meta {name:8s} run_block={run_block} scan_block={scan_block} scan_warps={scan_warps}: "
+                      f"{t:.3f} ms", flush=True)
     best = {}
     for part, table in results.items():
         if table:
@@ -220,6 +232,9 @@ def main() -> None:
             doc["backward"]["short_threshold"] = threshold
             doc["backward"]["long_chunk"] = chunk
             doc["backward"]["long_path"] = long_path
+        if "meta" in best:
+            run_block, scan_block, scan_warps = best["meta"][0]
+            doc["transpose"].update(run_block=run_block, scan_block=scan_block, scan_warps=scan_warps)
         doc["tuned"] = True
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         print(f"wrote {path}")

@@ -77,26 +77,43 @@ def _scan_totals_kernel(totals_ptr, num_programs, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _block_slots(BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Slots (or runs) [p * BLOCK, (p + 1) * BLOCK) of this program, in int32 unless WIDE (N + a block
+    past 2**31). Why not always int64: these passes are latency-bound (one short block per program,
+    ~300 blocks per SM on 42 M lookups), and 64-bit indices and prefix sums doubled the registers of
+    the two scan passes (108 per thread at BLOCK=1024, 4 warps: four programs per SM), so fewer
+    loads were in flight."""
+    p = tl.program_id(0)
+    if WIDE:
+        return p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        return p * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _slot_keys(sorted_keys_ptr, i, N):
     """(key, previous slot's key, run start?) of slots i: a run starts at slot 0 and wherever the key
-    changes. The previous key is loaded up to i == N (the end, a bucket-bound candidate)."""
-    key = tl.load(sorted_keys_ptr + i, mask=i < N, other=0).to(tl.int64)
-    prev = tl.load(sorted_keys_ptr + i - 1, mask=(i > 0) & (i <= N), other=0).to(tl.int64)
+    changes. The previous key is loaded up to i == N (the end, a bucket-bound candidate). Keys keep
+    their dtype (compared, never added)."""
+    key = tl.load(sorted_keys_ptr + i, mask=i < N, other=0)
+    prev = tl.load(sorted_keys_ptr + i - 1, mask=(i > 0) & (i <= N), other=0)
     return key, prev, (i < N) & ((i == 0) | (key != prev))
 
 
 @triton.jit
-def _run_flags_kernel(sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, BLOCK: tl.constexpr):
+def _run_flags_kernel(
+    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, BLOCK: tl.constexpr, WIDE: tl.constexpr
+):
     """
     Grid: [cdiv(N + 1, BLOCK)]. program_runs[p] = how many runs start in slots [p * BLOCK, (p + 1) *
     BLOCK) (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag
     of the lookup the sort put in slot i (one pass for both).
     """
     p = tl.program_id(0)
-    i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = _block_slots(BLOCK, WIDE)
     m = i < N
     _, _, head = _slot_keys(sorted_keys_ptr, i, N)
-    count = tl.sum(head.to(tl.int64), axis=0)
+    count = tl.sum(head.to(i.dtype), axis=0)
     q = tl.load(perm_ptr + i, mask=m, other=0)
     tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
@@ -114,6 +131,7 @@ def _run_starts_kernel(
     num_bounds,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """
     Grid: [cdiv(N + 1, BLOCK)]. run_prefix[p] = runs starting before this program's slots (scanned
@@ -128,16 +146,16 @@ def _run_starts_kernel(
     [bounds[k], bounds[k + 1]).
     """
     p = tl.program_id(0)
-    i = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = _block_slots(BLOCK, WIDE)
     key, prev, head = _slot_keys(sorted_keys_ptr, i, N)
-    r = tl.load(run_prefix_ptr + p).to(tl.int64) + tl.cumsum(head.to(tl.int64), axis=0) - 1
+    r = tl.load(run_prefix_ptr + p).to(i.dtype) + tl.cumsum(head.to(i.dtype), axis=0) - 1
     tl.store(run_start_ptr + r, i.to(run_start_ptr.dtype.element_ty), mask=head)
-    num_runs = tl.load(run_prefix_ptr + num_programs).to(tl.int64)
+    num_runs = tl.load(run_prefix_ptr + num_programs).to(i.dtype)
     tl.store(run_start_ptr + i, (i * 0 + N).to(run_start_ptr.dtype.element_ty), mask=(i >= num_runs) & (i <= N))
 
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
-    bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0).to(tl.int64)
+    bound = tl.load(bucket_key_bounds_ptr + kk, mask=kmask, other=0)
     end = i == N
     below = (i == 0)[:, None] | (prev[:, None] < bound[None, :])
     reaches = end[:, None] | (bound[None, :] <= key[:, None])
@@ -155,16 +173,18 @@ def _run_chunk_count(run_start_ptr, r, N, threshold, chunk):
     """Split-K chunks of runs r (< N): cdiv(L, chunk) when the length L reaches the threshold, else 0
     (runs past the last have L = 0)."""
     m = r < N
-    L = tl.load(run_start_ptr + r + 1, mask=m, other=0).to(tl.int64) - tl.load(run_start_ptr + r, mask=m, other=0)
+    L = (tl.load(run_start_ptr + r + 1, mask=m, other=0) - tl.load(run_start_ptr + r, mask=m, other=0)).to(r.dtype)
     return tl.where(m & (L >= threshold), (L + (chunk - 1)) // chunk, 0)
 
 
 @triton.jit
-def _run_chunks_kernel(run_start_ptr, program_chunks_ptr, N, threshold, chunk, BLOCK: tl.constexpr):
+def _run_chunks_kernel(
+    run_start_ptr, program_chunks_ptr, N, threshold, chunk, BLOCK: tl.constexpr, WIDE: tl.constexpr
+):
     """Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK):
     program_chunks[p] = the split-K chunks of its runs (_run_chunk_count)."""
     p = tl.program_id(0)
-    r = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    r = _block_slots(BLOCK, WIDE)
     count = tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
     tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
 
@@ -183,6 +203,7 @@ def _chunk_offsets_kernel(
     num_bounds,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """
     Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK) (r <= N).
@@ -194,17 +215,17 @@ def _chunk_offsets_kernel(
     written by the program holding that run.
     """
     p = tl.program_id(0)
-    r = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    r = _block_slots(BLOCK, WIDE)
     in_range = r <= N
     c = _run_chunk_count(run_start_ptr, r, N, threshold, chunk)
-    first = tl.load(chunk_prefix_ptr + p).to(tl.int64) + tl.cumsum(c, axis=0) - c
+    first = tl.load(chunk_prefix_ptr + p).to(r.dtype) + tl.cumsum(c, axis=0) - c
     tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
     owner = r.to(chunk_run_ptr.dtype.element_ty)
     for j in range(0, tl.max(c, axis=0)):
         tl.store(chunk_run_ptr + first + j, owner, mask=j < c)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
-    bucket_runs = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=-1).to(tl.int64)
+    bucket_runs = tl.load(bucket_run_bounds_ptr + kk, mask=kmask, other=-1).to(r.dtype)
     hit = (r[:, None] == bucket_runs[None, :]) & in_range[:, None] & kmask[None, :]
     tl.store(
         bucket_chunk_bounds_ptr + kk[None, :] + 0 * r[:, None],

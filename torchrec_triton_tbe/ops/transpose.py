@@ -60,6 +60,12 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 - 1 else torch.int64
 
 
+def wide_slots(n: int, block: int) -> bool:
+    """Whether the metadata passes over N lookups need 64-bit slot indices (kernels/transpose.py
+    _block_slots): their programs index up to a block past N + 1."""
+    return n + 2 * block >= 2**31 - 1
+
+
 def bag_code(num_features: int, B: int) -> tuple[int, torch.dtype]:
     """(bag_shift, dtype) of the bag ids (t << bag_shift) | b: the kernels split them with a shift and
     a mask, where t * B + b needed an integer division per lookup on the backward's hot path."""
@@ -114,23 +120,24 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     run_totals, chunk_totals = totals[0], totals[1]
     block_k = next_pow2(num_bounds)
     grid = (programs,)
-    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), dict(BLOCK=run_block), 4)
+    blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block) or idt == torch.int64)
+    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), blocks, 4)
     launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _run_starts_kernel,
         grid,
         (sorted_keys, run_totals, bounds, run_start, bucket_run_bounds, N, programs, num_bounds),
-        dict(BLOCK=run_block, BLOCK_K=block_k),
+        dict(**blocks, BLOCK_K=block_k),
         4,
     )
-    launch(_run_chunks_kernel, grid, (run_start, chunk_totals, N, threshold, chunk), dict(BLOCK=run_block), 4)
+    launch(_run_chunks_kernel, grid, (run_start, chunk_totals, N, threshold, chunk), blocks, 4)
     launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _chunk_offsets_kernel,
         grid,
         (run_start, chunk_totals, bucket_run_bounds, run_chunk_begin, chunk_run, bucket_chunk_bounds,
          N, threshold, chunk, num_bounds),
-        dict(BLOCK=run_block, BLOCK_K=block_k),
+        dict(**blocks, BLOCK_K=block_k),
         4,
     )
     return RunPlan(
