@@ -33,7 +33,12 @@ class KnobTable:
     by_block_d: tuple[tuple[int, int], ...] = ()
 
     def get(self, block_d: int) -> int:
-        return dict(self.by_block_d).get(block_d, self.default)
+        return self._table.get(block_d, self.default)
+
+    @functools.cached_property
+    def _table(self) -> dict:
+        # Looked up per launch on the host path of every call: built once, not per get().
+        return dict(self.by_block_d)
 
     @staticmethod
     def parse(value: Union[int, Mapping[Any, int]], name: str) -> "KnobTable":
@@ -99,6 +104,11 @@ class BackwardConfig:
     # BLOCK_D: on the H200 the short kernel at BLOCK_D=128 took 5.94 ms with the fp16 tile (8) and
     # 4.02 ms with 4 (docs/performance.md).
     tile_fp32: Optional[KnobTable] = None
+    # Backwards of at most this many lookups replay from CUDA graphs (ops/graphs.py; 0: never): they are
+    # launch-bound, and the replay copies the gradient, ids and offsets once more (larger batches are
+    # GPU-bound and would only pay the copies). At most graph_cache captured shapes per module.
+    graph_max_lookups: int = 0
+    graph_cache: int = 8
 
     def tiles(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.tile, self.tile_fp32, block_d, weight_bytes)
@@ -180,6 +190,8 @@ class KernelConfig:
                 long_path=str(b.get("long_path", "split")),
                 waves=int(b.get("waves", 0)),
                 tile_fp32=KnobTable.parse(b["tile_fp32"], "backward.tile_fp32") if "tile_fp32" in b else None,
+                graph_max_lookups=int(b.get("graph_max_lookups", 0)),
+                graph_cache=int(b.get("graph_cache", 8)),
             ),
             source=source,
         )
@@ -221,6 +233,10 @@ class KernelConfig:
             problems.append("backward.long_chunk must be >= 1")
         if self.backward.waves < 0:
             problems.append("backward.waves must be >= 0")
+        if self.backward.graph_max_lookups < 0:
+            problems.append("backward.graph_max_lookups must be >= 0 (0: no CUDA graphs)")
+        if self.backward.graph_cache < 1:
+            problems.append("backward.graph_cache must be >= 1")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

@@ -40,28 +40,20 @@ def pooled_forward(
     B: int,
     warning: torch.Tensor,
 ) -> torch.Tensor:
-    plan, tensors, cfg = spec.plan, spec.tensors, spec.config.forward
+    plan, tensors = spec.plan, spec.tensors
     out = torch.empty(B, plan.total_D, dtype=spec.output_dtype, device=weights.device)
     if B == 0:
         return out
-    mode = fused_repair_mode(spec)
-    for k, bucket in enumerate(plan.buckets):
-        if not bucket.features:
-            continue
-        if len(bucket.features) > MAX_GRID_Y:
-            raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
-        bd, bags = bucket.block_d, cfg.bags_per_program
-        lanes, gather = cfg.lanes(bd, weights.element_size()), cfg.gather.get(bd)
-        if lanes > 1:
-            gather = lanes_gather(gather, indices.numel(), B * plan.num_features)
+    weighted = per_sample_weights is not None
+    for k, grid, constexprs, warps in _launches(spec, B, indices.numel(), weighted, weights.element_size()):
         launch(
             _pooled_forward_kernel,
-            (cdiv(B, bags * lanes), len(bucket.features)),
+            grid,
             (
                 weights,
                 indices,
                 offsets,
-                per_sample_weights if per_sample_weights is not None else weights,
+                per_sample_weights if weighted else weights,
                 out,
                 tensors.bucket_features[k],
                 tensors.feature_dim,
@@ -72,18 +64,47 @@ def pooled_forward(
                 B,
                 plan.total_D,
             ),
-            dict(
-                POOLING_MEAN=spec.pooling_mean,
-                WEIGHTED=per_sample_weights is not None,
-                BOUNDS_MODE=mode,
-                ACC_FP64=spec.weights_dtype == torch.float32,
-                EVEN_D=spec.bucket_even_d[k],
-                ALIGN=spec.bucket_align[k],
-                BLOCK_D=bd,
-                GATHER=gather,
-                BAGS=bags,
-                LANES=lanes,
-            ),
-            tile_warps(cfg.num_warps.get(bd), lanes * gather * bd),
+            constexprs,
+            warps,
         )
     return out
+
+
+def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int) -> list:
+    """(bucket, grid, constexprs, num_warps) of each launch; memoised per spec on the host ints they
+    depend on (the mean bag length only through lanes_gather's power of two)."""
+    num_bags = B * spec.plan.num_features
+    mean_len = next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1))
+    key = ("forward", B, mean_len, weighted, weight_bytes)
+    found = spec.launch_plans.get(key)
+    if found is not None:
+        return found
+    plan, cfg = spec.plan, spec.config.forward
+    mode = fused_repair_mode(spec)
+    launches = []
+    for k, bucket in enumerate(plan.buckets):
+        if not bucket.features:
+            continue
+        if len(bucket.features) > MAX_GRID_Y:
+            raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
+        bd, bags = bucket.block_d, cfg.bags_per_program
+        lanes, gather = cfg.lanes(bd, weight_bytes), cfg.gather.get(bd)
+        if lanes > 1:
+            # mean_len * num_bags has the same power-of-two mean bag length as num_lookups.
+            gather = lanes_gather(gather, mean_len * num_bags, num_bags)
+        constexprs = dict(
+            POOLING_MEAN=spec.pooling_mean,
+            WEIGHTED=weighted,
+            BOUNDS_MODE=mode,
+            ACC_FP64=spec.weights_dtype == torch.float32,
+            EVEN_D=spec.bucket_even_d[k],
+            ALIGN=spec.bucket_align[k],
+            BLOCK_D=bd,
+            GATHER=gather,
+            BAGS=bags,
+            LANES=lanes,
+        )
+        grid = (cdiv(B, bags * lanes), len(bucket.features))
+        launches.append((k, grid, constexprs, tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)))
+    spec.launch_plans[key] = launches
+    return launches

@@ -63,6 +63,13 @@ class TBESpec:
     def bucket_even_d(self) -> tuple[bool, ...]:
         return tuple(all(self.plan.dims[k] == b.block_d for k in b.tables) for b in self.plan.buckets)
 
+    @functools.cached_property
+    def launch_plans(self) -> dict:
+        """Per-call launch parameters derived from this spec and a few host ints (grids, constexprs,
+        warps), memoised by the ops modules: small batches are launch-bound, and re-deriving them from
+        the config on every call cost the host more than the launch itself."""
+        return {}
+
     @property
     def sr_drop_bits(self) -> int:
         if not self.stochastic_rounding:
