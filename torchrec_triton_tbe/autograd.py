@@ -15,20 +15,23 @@ import torch
 
 from torchrec_triton_tbe.ops import backward as bwd_ops
 from torchrec_triton_tbe.ops import forward as fwd_ops
+from torchrec_triton_tbe.ops import graphs as graph_ops
 from torchrec_triton_tbe.ops import transpose as transpose_ops
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
 @dataclasses.dataclass(frozen=True)
 class LookupCall:
-    """One call's static inputs: the module's launch spec, its mutable tensors, the batch size and
-    where to report backward run statistics (``None``: don't collect them)."""
+    """One call's static inputs: the module's launch spec, its mutable tensors, the batch size,
+    where to report backward run statistics (``None``: don't collect them) and the module's captured
+    backwards (``None``: always eager)."""
 
     spec: TBESpec
     state: bwd_ops.OptimizerTensors
     B: int
     warning: torch.Tensor
     on_runs: Optional[Callable[[transpose_ops.RunPlan], None]] = None
+    graphs: Optional[graph_ops.BackwardGraphs] = None
 
 
 class TBEFunction(torch.autograd.Function):
@@ -64,12 +67,23 @@ class TBEFunction(torch.autograd.Function):
             grad_psw = bwd_ops.psw_grad(
                 spec, state.weights, indices, offsets, grad_out, call.B, feature_requires_grad
             ).to(per_sample_weights.dtype)
-        runs = ctx.runs if ctx.runs is not None else transpose_ops.build_runs(spec, indices, offsets, call.B)
-        ctx.runs = None
-        bwd_ops.fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, call.B)
-        state.step.add_(1)
-        if call.on_runs is not None:
-            call.on_runs(runs)
+        runs, ctx.runs = ctx.runs, None
+        B = call.B
+        if (
+            runs is None
+            and call.on_runs is None
+            and call.graphs is not None
+            and graph_ops.BackwardGraphs.applies(spec, indices.numel(), grad_out.device)
+        ):
+            # Same device work as below, replayed from a CUDA graph (ops/graphs.py: launch-bound batches).
+            def body(i, o, g, w):
+                bwd_ops.backward_step(spec, state, None, i, o, g, w, B)
+
+            call.graphs.run(spec, state, indices, offsets, grad_out, per_sample_weights, B, body)
+        else:
+            runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B)
+            if call.on_runs is not None:
+                call.on_runs(runs)
         return None, None, None, grad_psw, None, None
 
 

@@ -36,6 +36,7 @@ from torchrec_triton_tbe.autograd import LookupCall, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops.backward import OptimizerTensors
+from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 from torchrec_triton_tbe.ops.spec import Bounds, Optim, TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan
 from torchrec_triton_tbe.plan import PlanTensors, TablePlan
@@ -248,6 +249,9 @@ class TritonTBE(nn.Module):
         )
         self.collect_backward_stats = False
         self._last_runs: Optional[RunPlan] = None
+        # Captured backwards of launch-bound batches (ops/graphs.py; config backward.graph_max_lookups).
+        self._backward_graphs = BackwardGraphs()
+        self._cached_call: Optional[tuple] = None
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -261,6 +265,13 @@ class TritonTBE(nn.Module):
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
         """Swap tuning knobs (never changes results)."""
         self._spec = dataclasses.replace(self._spec, config=load_config(self.current_device, config))
+        self._backward_graphs.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        # Moving or casting buffers invalidates graphs captured on the old ones (their keys would
+        # never match again; dropping them frees their static inputs now).
+        self._backward_graphs.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -295,20 +306,37 @@ class TritonTBE(nn.Module):
             per_sample_weights = per_sample_weights.contiguous()
         if feature_requires_grad is not None:
             feature_requires_grad = feature_requires_grad.to(device=self.current_device, dtype=torch.int32)
+        bufs = self._buffers
         bounds_ops.check_and_repair(
-            spec, indices, offsets, B, self.bounds_check_warning, self._bounds_repair_flag,
+            spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_repair_flag"],
             ids=not spec.fused_bounds_check,
         )
-        call = LookupCall(
-            spec=spec,
-            state=OptimizerTensors(self.weights, self.momentum1, self.learning_rate_tensor, self.iter, self._eps),
-            B=B,
-            warning=self.bounds_check_warning,
-            on_runs=self._record_runs if self.collect_backward_stats else None,
-        )
+        call = self._lookup_call(spec, B, bufs)
         return TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad, call
         )
+
+    def _lookup_call(self, spec: TBESpec, B: int, bufs: dict) -> LookupCall:
+        """This call's LookupCall, reused while nothing in it changed (building one per call was a
+        fifth of the forward's host time on small batches). Keyed by the identity of every tensor it
+        holds: a replaced buffer (``module.to``, ``load_state_dict(assign=True)``) gives a new call, and
+        the old one keeps its tensors alive, so their ids cannot be reused while it is cached."""
+        names = ("weights", "momentum1", "learning_rate_tensor", "iter", "bounds_check_warning")
+        key = (id(spec), B, self._eps, self.collect_backward_stats, *(id(bufs[n]) for n in names))
+        cached = self._cached_call
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        call = LookupCall(
+            spec=spec,
+            state=OptimizerTensors(bufs["weights"], bufs["momentum1"], bufs["learning_rate_tensor"], bufs["iter"],
+                                   self._eps),
+            B=B,
+            warning=bufs["bounds_check_warning"],
+            on_runs=self._record_runs if self.collect_backward_stats else None,
+            graphs=self._backward_graphs,
+        )
+        self._cached_call = (key, call)
+        return call
 
     def _record_runs(self, runs: RunPlan) -> None:
         self._last_runs = runs

@@ -26,7 +26,7 @@ from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops.launch import arg_key, cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
-from torchrec_triton_tbe.ops.transpose import RunPlan
+from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
 
 
 @dataclasses.dataclass
@@ -258,3 +258,23 @@ def fused_update(
             dict(TILE=tile, **update, **common),
             warps,
         )
+
+
+def backward_step(
+    spec: TBESpec,
+    state: OptimizerTensors,
+    runs: Optional[RunPlan],
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    grad_out: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    B: int,
+) -> RunPlan:
+    """Everything a backward does after the per-sample-weight gradient: the runs (unless the forward
+    built them), one optimizer step per touched row, the step counter. Device work only (no host
+    sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
+    if runs is None:
+        runs = build_runs(spec, indices, offsets, B)
+    fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B)
+    state.step.add_(1)
+    return runs

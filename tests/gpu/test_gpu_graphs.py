@@ -1,0 +1,88 @@
+"""Backward CUDA graphs (ops/graphs.py) on the GPU: replays are bit-identical to the eager backward
+(batches of varying size, learning-rate and step changes between replays, stochastic rounding,
+per-sample weights with their gradient, eviction), and capture and replay never sync the host."""
+
+import pytest
+import torch
+
+from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
+from torchrec_triton_tbe.config import load_config
+from torchrec_triton_tbe.module import TritonTBE
+
+DEV = torch.device("cuda")
+SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
+FTM = [0, 1, 1, 2, 3]
+
+
+def batch(seed, B, L=12, weighted=False):
+    g = torch.Generator().manual_seed(seed)
+    T = len(FTM)
+    lengths = torch.randint(0, 2 * L, (T * B,), generator=g)
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    ids = [(SPECS[k][0] * torch.rand(int(lengths[t * B:(t + 1) * B].sum()), generator=g) ** 4).long()
+           for t, k in enumerate(FTM)]
+    idx = torch.cat(ids).to(DEV)
+    psw = torch.rand(idx.numel(), generator=g).to(DEV).requires_grad_(True) if weighted else None
+    return idx, offsets.to(DEV), psw
+
+
+def two_modules(optimizer, graph_cache=8):
+    cfg = load_config(DEV)
+    assert cfg.backward.graph_max_lookups > 0
+    kw = dict(feature_table_map=FTM, device=DEV, optimizer=optimizer, weights_precision=SparseType.FP16,
+              stochastic_rounding=True, learning_rate=0.05, eps=0.1)
+    graphed = TritonTBE(SPECS, kernel_config=cfg.replace_backward(graph_cache=graph_cache), **kw)
+    eager = TritonTBE(SPECS, kernel_config=cfg.replace_backward(graph_max_lookups=0), **kw)
+    torch.manual_seed(0)
+    graphed.init_embedding_weights_uniform(-0.5, 0.5)
+    eager.weights.copy_(graphed.weights)
+    return graphed, eager
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
+    graphed, eager = two_modules(optimizer, graph_cache=2)
+    # Seeds repeat (keys reach capture and replay); B changes (new keys, evictions with graph_cache=2).
+    plan = [(0, 512), (1, 512), (0, 512), (1, 512), (2, 256), (0, 512), (3, 128), (2, 256), (2, 256), (0, 512)]
+    for step, (seed, B) in enumerate(plan):
+        idx, off, psw = batch(seed, B, weighted=weighted)
+        grads = []
+        for m in (graphed, eager):
+            w = psw.detach().clone().requires_grad_(True) if weighted else None
+            out = m(idx, off, w)
+            out.backward(torch.randn(out.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step)))
+            grads.append(w.grad if weighted else None)
+        if weighted:
+            assert torch.equal(grads[0], grads[1])
+        if step == 3:
+            for m in (graphed, eager):
+                m.set_learning_rate(0.01)  # device-resident: replays read it
+        if step == 6:
+            for m in (graphed, eager):
+                m.set_optimizer_step(100)  # stochastic rounding draws from the step counter
+    torch.cuda.synchronize()
+    assert graphed._backward_graphs.captures >= 2 and graphed._backward_graphs.replays >= 4, vars(graphed._backward_graphs)
+    assert len(graphed._backward_graphs) <= 2
+    assert eager._backward_graphs.captures == 0
+    assert torch.equal(graphed.weights, eager.weights)
+    assert torch.equal(graphed.momentum1, eager.momentum1)
+    assert torch.equal(graphed.iter, eager.iter)
+
+
+def test_capture_and_replay_do_not_sync():
+    graphed, _ = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    idx, off, _ = batch(0, 512)
+    grad = torch.randn(512, graphed.total_D, device=DEV)
+    graphed(idx, off).backward(grad)  # first call of the key: eager (compiles, learns the grids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # capture + replay, then replays
+            graphed(idx, off).backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    g = graphed._backward_graphs
+    assert (g.captures, g.replays) == (1, 3)

@@ -1,0 +1,135 @@
+"""ops/graphs.py on the CPU: the padding a replay relies on changes no bit, the static lookup counts,
+the cache's first-call / eviction bookkeeping, and the config knobs. Capture and replay themselves
+need a GPU (tests/gpu/test_gpu_graphs.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tbe_cases import EmbOptimType, SparseType, make_pair, skewed_batch
+from torchrec_triton_tbe.config import KernelConfig, load_named
+from torchrec_triton_tbe.ops import backward as bwd_ops
+from torchrec_triton_tbe.ops.graphs import PAD_BITS, BackwardGraphs, padded_lookups
+
+SPECS = [(30, 8), (20, 12)]
+FTM = [0, 1, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 40))
+def test_padded_lookups_bounds(n):
+    p = padded_lookups(n)
+    assert n <= p <= n + (n >> PAD_BITS)
+    assert padded_lookups(p) == p  # a static count is its own static count
+
+
+def test_padded_lookups_coalesce_nearby_sizes():
+    # Batches whose N moves by +-5 % around 327,680 (FBGEMM's default shape) share a few static counts.
+    sizes = {padded_lookups(n) for n in range(311_296, 344_065, 97)}
+    assert len(sizes) <= 4, sorted(sizes)
+    assert padded_lookups(327_680) == 327_680
+
+
+def _train_step(module, batch, grad, pad_to=None, garbage=0):
+    """One backward through ops/backward.backward_step on the module's state, ids optionally padded
+    with `garbage` ids past the last bag (as a replay's static buffers are)."""
+    idx, off, psw = batch.indices, batch.offsets, batch.per_sample_weights
+    if pad_to is not None:
+        extra = pad_to - idx.numel()
+        idx = torch.cat([idx, torch.full((extra,), garbage, dtype=idx.dtype)])
+        if psw is not None:
+            psw = torch.cat([psw, torch.full((extra,), 7.0, dtype=psw.dtype)])
+    state = bwd_ops.OptimizerTensors(module.weights, module.momentum1, module.learning_rate_tensor, module.iter,
+                                     module._eps)
+    B = (off.numel() - 1) // module.T
+    bwd_ops.backward_step(module.spec, state, None, idx, off, grad, psw, B)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_padding_past_the_last_bag_changes_no_bit(optimizer, weighted):
+    """A replay runs on ids padded to padded_lookups(N) with whatever an earlier batch left there
+    (lookups outside every bag): the result must equal the unpadded backward bit for bit."""
+    results = []
+    for pad in (False, True):
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=3, optimizer=optimizer,
+                            weights_precision=SparseType.FP16, learning_rate=0.2, eps=0.01)
+        g = torch.Generator().manual_seed(4)
+        for step in range(3):
+            batch = skewed_batch([r for r, _ in SPECS], FTM, B=4, max_L=7, generator=g, weighted=weighted,
+                                 hot_fraction=0.4, min_L=1)
+            grad = torch.randn(4, ours.total_D, generator=g)
+            n = batch.indices.numel()
+            _train_step(ours, batch, grad, pad_to=n + 5 + step if pad else None, garbage=step % 2)
+        results.append([ours.weights.clone(), ours.momentum1.clone(), ours.iter.clone()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert int(results[0][2]) == 3
+
+
+def _spec_with(graph_cache: int):
+    m, _ = make_pair(SPECS, FTM, oracle="reference", seed=0, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    cfg = m.kernel_config.replace_backward(graph_cache=graph_cache)
+    return m, dataclasses.replace(m.spec, config=cfg)
+
+
+def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
+    m, spec = _spec_with(graph_cache=2)
+    graphs = BackwardGraphs()
+    state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, m._eps)
+    seen = []
+
+    def body(i, o, g, w):
+        seen.append((i, o, g, w))
+
+    # Three keys (static counts 1024, 1536, 2304), then the first again: graph_cache=2 dropped it, so
+    # it starts over with an eager call (a second call of a live key would capture: not on a CPU).
+    for n in (1000, 1500, 2100, 1000):
+        idx = torch.arange(n) % 20
+        off = torch.tensor([0, n // 3, n // 2, n], dtype=torch.int64)
+        grad = torch.randn(1, m.total_D)
+        graphs.run(spec, state, idx, off, grad, None, 1, body)
+        i, o, g, w = seen[-1]
+        assert i.numel() == padded_lookups(n) and torch.equal(i[:n], idx)
+        assert torch.equal(o, off) and torch.equal(g, grad) and w is None
+        assert i.data_ptr() != idx.data_ptr() and g.data_ptr() != grad.data_ptr()
+    assert len(seen) == 4
+    assert len(graphs) == 2 and graphs.captures == 0 and graphs.replays == 0
+
+
+def test_graphs_never_apply_on_cpu_or_when_disabled():
+    m, spec = _spec_with(graph_cache=8)
+    assert not BackwardGraphs.applies(spec, 100, torch.device("cpu"))
+    off = dataclasses.replace(spec, config=spec.config.replace_backward(graph_max_lookups=0))
+    assert not BackwardGraphs.applies(off, 100, torch.device("cpu"))
+    assert load_named("interpreter").backward.graph_max_lookups == 0
+    assert load_named("sm90").backward.graph_max_lookups > 0
+
+
+def test_graph_knobs_are_validated():
+    d = {
+        "target": "x",
+        "forward": {"bags_per_program": 1, "gather": 4, "num_warps": 1},
+        "transpose": {"bags_per_program": 4, "lookups_per_step": 4, "num_warps": 1},
+        "backward": {"short_threshold": 4, "long_chunk": 3, "tile": 4, "num_warps": 1, "graph_max_lookups": 5,
+                     "graph_cache": 3},
+    }
+    cfg = KernelConfig.from_dict(d)
+    assert (cfg.backward.graph_max_lookups, cfg.backward.graph_cache) == (5, 3)
+    with pytest.raises(ValueError, match="graph_cache"):
+        KernelConfig.from_dict({**d, "backward": {**d["backward"], "graph_cache": 0}})
+    with pytest.raises(ValueError, match="graph_max_lookups"):
+        KernelConfig.from_dict({**d, "backward": {**d["backward"], "graph_max_lookups": -1}})
+
+
+def test_copies_of_a_module_start_without_graphs():
+    import copy
+    import pickle
+
+    graphs = BackwardGraphs()
+    graphs.captures = 3
+    assert copy.deepcopy(graphs).captures == 0
+    assert pickle.loads(pickle.dumps(graphs)).captures == 0

@@ -1,0 +1,171 @@
+"""The backward of small batches, replayed as a CUDA graph.
+
+Why: a small batch's backward is launch-bound. On FBGEMM's default shape (B=512, T=32, L=20) its
+kernels take ~0.25 ms on the H200, but issuing them (autograd, ``torch.sort``, eleven Triton launches,
+a dozen allocations) takes 0.6-0.9 ms of host time (tools/host_profile.py), and a TorchRec step pays
+that twice per module group. Everything the backward does after the per-sample-weight gradient (run
+metadata, fused update, step counter) is sync-free with buffers sized from N, so it can be captured
+once per shape and replayed for the price of three input copies and one graph launch.
+
+What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
+count, the dtypes of ids / offsets / gradient / per-sample weights, the addresses of the weights,
+optimizer state, learning rate and step tensors (read at replay time: ``set_learning_rate`` and
+``set_optimizer_step`` are seen), and eps (a kernel argument, baked in).
+
+Varying batch sizes: N is rounded up to a multiple of 2**(bit_length(N) - 1 - PAD_BITS), so a workload
+whose N moves by a few percent replays a handful of graphs instead of capturing one per batch. Slots
+past the real N are lookups outside every bag (positions >= offsets[T*B]): the transpose gives them
+the sentinel key, so they sort last, fall outside every bucket and change no result; the replay is
+bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_graphs.py).
+
+Lifecycle of a key: the first call runs eagerly on the key's static buffers (compiles every
+specialization and learns the persistent grids, which a capture must not do); the second captures
+and replays; later calls replay. Graphs share one memory pool per module; everything allocated
+inside a capture is scratch of that replay only. At most ``backward.graph_cache`` keys per module
+(least recently used dropped). Capture runs on a side stream ordered after the current one with
+stream waits, never a host sync; inside somebody else's capture (a user graphing the whole step) the
+backward runs eagerly into that capture.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import torch
+
+from torchrec_triton_tbe import _env
+
+# N rounds up to 1/2**PAD_BITS of its leading power of two (at most 12.5 % padding, which is sorted
+# and skipped: a few microseconds on the batches that take this path).
+PAD_BITS = 3
+
+
+def padded_lookups(n: int) -> int:
+    """The static lookup count a batch of ``n`` lookups replays with (>= n)."""
+    if n <= 1 << PAD_BITS:
+        return n
+    step = 1 << (n.bit_length() - 1 - PAD_BITS)
+    return -(-n // step) * step
+
+
+class _Entry:
+    """One key's static inputs and, from its second call on, its graph."""
+
+    def __init__(self, spec, indices, offsets, grad_out, psw, n_static: int) -> None:
+        self.spec = spec  # keeps id(spec) in the key unique while the entry lives
+        self.indices = torch.zeros(n_static, dtype=indices.dtype, device=indices.device)
+        self.offsets = torch.empty_like(offsets)
+        self.grad_out = torch.empty_like(grad_out)
+        self.psw = torch.zeros(n_static, dtype=psw.dtype, device=psw.device) if psw is not None else None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.calls = 0
+
+    def load(self, indices, offsets, grad_out, psw) -> None:
+        # Slots [N, n_static) keep whatever an earlier batch left: they are outside every bag.
+        self.indices[: indices.numel()].copy_(indices)
+        self.offsets.copy_(offsets)
+        self.grad_out.copy_(grad_out)
+        if psw is not None:
+            self.psw[: psw.numel()].copy_(psw)
+
+
+class BackwardGraphs:
+    """A module's captured backwards (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._entries: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
+        self._pool = None
+        self._side: Optional[torch.cuda.Stream] = None
+        self.captures = 0  # graphs captured so far (tests, diagnostics)
+        self.replays = 0
+
+    def __deepcopy__(self, memo) -> "BackwardGraphs":
+        # Graphs belong to the tensors they were captured on; a copied module captures its own.
+        return BackwardGraphs()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def applies(spec, num_lookups: int, device: torch.device) -> bool:
+        """Whether a backward of this size on this device takes the graph path."""
+        limit = spec.config.backward.graph_max_lookups
+        return (
+            0 < num_lookups <= limit
+            and device.type == "cuda"
+            and not _env.interpreting()
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def run(
+        self,
+        spec,
+        state,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        grad_out: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor],
+        B: int,
+        body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None],
+    ) -> None:
+        """``body(indices, offsets, grad_out, per_sample_weights)`` on static copies of the inputs:
+        eagerly on a key's first call, captured on its second, replayed from then on."""
+        n_static = padded_lookups(indices.numel())
+        psw_dtype = per_sample_weights.dtype if per_sample_weights is not None else None
+        key = (
+            id(spec), B, n_static, indices.dtype, offsets.dtype, grad_out.dtype, tuple(grad_out.shape), psw_dtype,
+            state.weights.data_ptr(), state.momentum.data_ptr(), state.learning_rate.data_ptr(),
+            state.step.data_ptr(), state.eps, grad_out.device,
+        )
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(spec, indices, offsets, grad_out, per_sample_weights, n_static)
+            self._entries[key] = entry
+            while len(self._entries) > max(1, spec.config.backward.graph_cache):
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        entry.load(indices, offsets, grad_out, per_sample_weights)
+        statics = (entry.indices, entry.offsets, entry.grad_out, entry.psw)
+        entry.calls += 1
+        if entry.graph is None and entry.calls == 1:
+            body(*statics)
+            return
+        if entry.graph is None:
+            entry.graph = self._capture(body, statics, grad_out.device)
+        entry.graph.replay()
+        self.replays += 1
+
+    def _capture(self, body, statics, device: torch.device) -> torch.cuda.CUDAGraph:
+        current = torch.cuda.current_stream(device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Stream order, not a host sync: the side stream starts after the static copies above.
+        self._side.wait_stream(current)
+        with torch.cuda.stream(self._side):
+            # thread_local: other threads (a data loader, NCCL watchdogs) may use CUDA meanwhile.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                body(*statics)
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is void either way; report the body's error
+                    pass
+                raise
+            graph.capture_end()
+        current.wait_stream(self._side)
+        self.captures += 1
+        return graph
