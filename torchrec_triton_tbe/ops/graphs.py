@@ -20,7 +20,7 @@ bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_gr
 
 Lifecycle of a key: the first call runs eagerly on the key's static buffers (compiles every
 specialization and learns the persistent grids, which a capture must not do); the second captures
-and replays; later calls replay. Graphs share one memory pool per module; everything allocated
+and replays; later calls replay. A module's live graphs share one memory pool; everything allocated
 inside a capture is scratch of that replay only. At most ``backward.graph_cache`` keys per module
 (least recently used dropped). Capture runs on a side stream ordered after the current one with
 stream waits, never a host sync; inside somebody else's capture (a user graphing the whole step) the
@@ -75,7 +75,6 @@ class BackwardGraphs:
 
     def __init__(self) -> None:
         self._entries: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
-        self._pool = None
         self._side: Optional[torch.cuda.Stream] = None
         self.captures = 0  # graphs captured so far (tests, diagnostics)
         self.replays = 0
@@ -150,13 +149,16 @@ class BackwardGraphs:
         current = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
-            self._pool = torch.cuda.graph_pool_handle()
+        # Share the memory pool of a live graph of this module (everything in it is per-replay
+        # scratch). With none left, a new pool: a pool whose graphs were all dropped cannot be joined
+        # again (PyTorch asserts on its zero use count).
+        live = next((e.graph for e in self._entries.values() if e.graph is not None), None)
         graph = torch.cuda.CUDAGraph()
         # Stream order, not a host sync: the side stream starts after the static copies above.
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
             # thread_local: other threads (a data loader, NCCL watchdogs) may use CUDA meanwhile.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=live.pool() if live is not None else None, capture_error_mode="thread_local")
             try:
                 body(*statics)
             except BaseException:
