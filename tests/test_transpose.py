@@ -117,3 +117,33 @@ def test_empty_batch_plan():
     assert runs.run_start.tolist() == [0]
     assert runs.bucket_run_bounds.tolist() == [0] * 3 and runs.bucket_chunk_bounds.tolist() == [0] * 3
     assert runs.run_chunk_begin.tolist() == [0] and runs.stats()["runs"] == 0
+
+
+@pytest.mark.parametrize("lengths", [(1,), (1, 2), (0, 1, 3), (5, 9, 17)])
+def test_linearize_with_short_bags_matches_a_torch_derivation(lengths):
+    """The linearize tile follows the mean bag length (L=1: one id per step, more bags per program):
+    keys and bag ids must not depend on it."""
+    ours, _ = make_pair(SPECS, FTM)
+    B = 11
+    T = len(FTM)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.tensor(lengths)[torch.randint(0, len(lengths), (T * B,), generator=g)]
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = lens.cumsum(0)
+    bag_of = torch.repeat_interleave(torch.arange(T * B), lens)
+    t_of, b_of = bag_of // B, bag_of % B
+    rows = torch.tensor([SPECS[FTM[t]][0] for t in range(T)])
+    ids = (torch.rand(bag_of.numel(), generator=g) * rows[t_of]).long()
+    keys, bags, shift = tr_ops.linearize(ours.spec, ids, offsets, B)
+    assert torch.equal(keys.to(torch.int64), ours.spec.tensors.feature_key_offset[t_of] + ids)
+    assert torch.equal(bags.to(torch.int64), (t_of << shift) | b_of)
+
+
+def test_linearize_tile_keeps_the_tile_size():
+    assert tr_ops.linearize_tile(64, 16, 4_194_304, 131072 * 32) == (1024, 1)  # L=1
+    assert tr_ops.linearize_tile(64, 16, 41_943_040, 65536 * 32) == (64, 16)  # L=20
+    assert tr_ops.linearize_tile(64, 16, 4 * 1000, 1000) == (256, 4)  # L=4
+    assert tr_ops.linearize_tile(64, 16, 0, 0) == (1024, 1)
+    for n, bags in ((7, 3), (100, 9), (5, 1)):
+        b, s = tr_ops.linearize_tile(4, 4, n, bags)
+        assert b * s == 16 and s <= 4

@@ -3,8 +3,11 @@
     python tools/demo_profile.py [--steps 20] [--json out.json]   (demo options as torchrec_demo)
 
 Builds the demo's two DistributedModelParallel models (torchrec_demo), warms both up on every batch,
-times --steps steps of each (median ms, CUDA-synchronized wall clock as the demo), then profiles three
-steps of each with torch.profiler and prints the GPU kernels and host ops that take the most time.
+times --steps rounds of one step of each, alternating which goes first (CUDA-synchronized wall clock as
+the demo; interleaved because the host's speed drifts by 10-30 % within a device session, which
+made two back-to-back blocks of steps disagree), reports each model's median and the median of the
+per-round ratios, then profiles three steps of each with torch.profiler and prints the GPU kernels
+and host ops that take the most time.
 """
 
 import json
@@ -61,16 +64,29 @@ def main():
     }
     batches = demo._batches(tables, args, setup, dense_in)
     res = {"args": vars(args)}
-    for name, (dmp, opt) in models.items():
-        for b in batches:  # warm-up: every batch once (kernel specializations compile here)
+    for dmp, opt in models.values():
+        for b in batches:  # warm-up: every batch once (kernel specializations compile, graphs capture)
             demo._step(dmp, opt, b, setup)
-        ms = [demo._step(dmp, opt, b, setup)[1] for b in batches]
+        for b in batches:
+            demo._step(dmp, opt, b, setup)
+    ms = {name: [] for name in models}
+    names = list(models)
+    for i in range(args.steps):
+        b = batches[i % len(batches)]
+        for name in (names if i % 2 == 0 else names[::-1]):
+            ms[name].append(demo._step(*models[name], b, setup)[1])
+    ratios = [f / t for f, t in zip(ms["fused"], ms["triton"])]
+    res["interleaved_steps"] = args.steps
+    res["fused_over_triton_median"] = statistics.median(ratios)
+    for name, (dmp, opt) in models.items():
         kernels, host = profile_steps(dmp, opt, batches, setup)
-        res[name] = {"median_ms": statistics.median(ms), "ms": ms, "gpu_ms": sum(k[2] for k in kernels),
+        res[name] = {"median_ms": statistics.median(ms[name]), "ms": ms[name], "gpu_ms": sum(k[2] for k in kernels),
                      "kernels": kernels[:30], "host": host[:30]}
-        print(f"{name}: median {statistics.median(ms):.2f} ms/step, GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
+        print(f"{name}: median {statistics.median(ms[name]):.2f} ms/step, GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
         print("  kernels: " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in kernels[:12]))
         print("  host:    " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in host[:12]))
+    print(f"fused / triton per interleaved round: median {res['fused_over_triton_median']:.3f} over {args.steps} rounds "
+          f"(> 1: ours faster)")
     if out_json:
         with open(out_json, "w") as f:
             json.dump(res, f, indent=1)
