@@ -86,3 +86,26 @@ def test_capture_and_replay_do_not_sync():
     torch.cuda.synchronize()
     g = graphed._backward_graphs
     assert (g.captures, g.replays) == (1, 3)
+
+
+def test_each_stream_gets_its_own_graphs():
+    """Static inputs and pool scratch are reused call after call, which stream order protects only on
+    one stream: a backward on another stream gets its own key (and pool), and results stay bitwise."""
+    graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    side = torch.cuda.Stream()
+    idx, off, _ = batch(0, 512)
+    for step in range(6):  # main stream on even steps, the side stream on odd ones: 3 calls each
+        for m in (graphed, eager):
+            grad = torch.randn(512, m.total_D, device=DEV, generator=torch.Generator(DEV).manual_seed(step))
+            if step % 2:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    m(idx, off).backward(grad)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                m(idx, off).backward(grad)
+    torch.cuda.synchronize()
+    g = graphed._backward_graphs
+    assert len(g) == 2 and (g.captures, g.replays) == (2, 4)
+    assert torch.equal(graphed.weights, eager.weights)
+    assert torch.equal(graphed.momentum1, eager.momentum1)

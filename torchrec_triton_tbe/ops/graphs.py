@@ -1,11 +1,12 @@
 """The backward of small batches, replayed as a CUDA graph.
 
 Why: a small batch's backward is launch-bound. On FBGEMM's default shape (B=512, T=32, L=20) its
-kernels take ~0.25 ms on the H200, but issuing them (autograd, ``torch.sort``, eleven Triton launches,
-a dozen allocations) takes 0.6-0.9 ms of host time (tools/host_profile.py), and a TorchRec step pays
-that twice per module group. Everything the backward does after the per-sample-weight gradient (run
+kernels take ~0.25 ms on the H200, but issuing them (autograd, ``torch.sort``, ten Triton launches,
+a dozen allocations) took 0.56-0.89 ms of host time (tools/host_profile.py), and a TorchRec step pays
+that once per TBE module. Everything the backward does after the per-sample-weight gradient (run
 metadata, fused update, step counter) is sync-free with buffers sized from N, so it can be captured
-once per shape and replayed for the price of three input copies and one graph launch.
+once per shape and replayed for the price of three input copies and one graph launch: 0.13 ms of
+host time, 0.27 ms event-timed on that shape (docs/performance.md).
 
 What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
 count, the dtypes of ids / offsets / gradient / per-sample weights, the addresses of the weights,
@@ -20,11 +21,13 @@ bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_gr
 
 Lifecycle of a key: the first call runs eagerly on the key's static buffers (compiles every
 specialization and learns the persistent grids, which a capture must not do); the second captures
-and replays; later calls replay. A module's live graphs share one memory pool; everything allocated
-inside a capture is scratch of that replay only. At most ``backward.graph_cache`` keys per module
-(least recently used dropped). Capture runs on a side stream ordered after the current one with
-stream waits, never a host sync; inside somebody else's capture (a user graphing the whole step) the
-backward runs eagerly into that capture.
+and replays; later calls replay. A module's live graphs of one stream share one memory pool;
+everything allocated inside a capture is scratch of that replay only. At most ``backward.graph_cache`` keys per module
+(least recently used dropped); each holds static copies of its inputs (ids, offsets and the gradient:
+11 MB at FBGEMM's default shape), and the pool the scratch of the largest capture. Keys are per
+stream. Capture runs on a side stream ordered after the current one with stream waits, never a host
+sync; inside somebody else's capture (a user graphing the whole step) the backward runs eagerly into
+that capture.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ def padded_lookups(n: int) -> int:
 class _Entry:
     """One key's static inputs and, from its second call on, its graph."""
 
-    def __init__(self, spec, indices, offsets, grad_out, psw, n_static: int) -> None:
+    def __init__(self, spec, indices, offsets, grad_out, psw, n_static: int, stream) -> None:
         self.spec = spec  # keeps id(spec) in the key unique while the entry lives
+        self.stream = stream  # the stream its copies and replays go on (None on a CPU)
         self.indices = torch.zeros(n_static, dtype=indices.dtype, device=indices.device)
         self.offsets = torch.empty_like(offsets)
         self.grad_out = torch.empty_like(grad_out)
@@ -121,14 +125,18 @@ class BackwardGraphs:
         eagerly on a key's first call, captured on its second, replayed from then on."""
         n_static = padded_lookups(indices.numel())
         psw_dtype = per_sample_weights.dtype if per_sample_weights is not None else None
+        device = grad_out.device
+        # Per stream: a key's static buffers (and a pool's scratch) are reused by the next call, which
+        # stream order protects only on the same stream.
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (
             id(spec), B, n_static, indices.dtype, offsets.dtype, grad_out.dtype, tuple(grad_out.shape), psw_dtype,
             state.weights.data_ptr(), state.momentum.data_ptr(), state.learning_rate.data_ptr(),
-            state.step.data_ptr(), state.eps, grad_out.device,
+            state.step.data_ptr(), state.eps, device, stream,
         )
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(spec, indices, offsets, grad_out, per_sample_weights, n_static)
+            entry = _Entry(spec, indices, offsets, grad_out, per_sample_weights, n_static, stream)
             self._entries[key] = entry
             while len(self._entries) > max(1, spec.config.backward.graph_cache):
                 self._entries.popitem(last=False)
@@ -141,18 +149,19 @@ class BackwardGraphs:
             body(*statics)
             return
         if entry.graph is None:
-            entry.graph = self._capture(body, statics, grad_out.device)
+            entry.graph = self._capture(body, statics, device, stream)
         entry.graph.replay()
         self.replays += 1
 
-    def _capture(self, body, statics, device: torch.device) -> torch.cuda.CUDAGraph:
+    def _capture(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
         current = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
-        # Share the memory pool of a live graph of this module (everything in it is per-replay
-        # scratch). With none left, a new pool: a pool whose graphs were all dropped cannot be joined
-        # again (PyTorch asserts on its zero use count).
-        live = next((e.graph for e in self._entries.values() if e.graph is not None), None)
+        # Share the memory pool of a live graph of this module replayed on the same stream (everything in
+        # it is per-replay scratch, and replays on one stream never overlap). With none left, a new
+        # pool: a pool whose graphs were all dropped cannot be joined again (PyTorch asserts on its
+        # zero use count).
+        live = next((e.graph for e in self._entries.values() if e.graph is not None and e.stream == stream), None)
         graph = torch.cuda.CUDAGraph()
         # Stream order, not a host sync: the side stream starts after the static copies above.
         self._side.wait_stream(current)
