@@ -80,9 +80,9 @@ def _scan_totals_kernel(totals_ptr, num_programs, BLOCK: tl.constexpr):
 def _block_slots(BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Slots (or runs) [p * BLOCK, (p + 1) * BLOCK) of this program, in int32 unless WIDE (N + a block
     past 2**31). Why not always int64: these passes are latency-bound (one short block per program,
-    ~300 blocks per SM on 42 M lookups), and 64-bit indices and prefix sums doubled the registers of
-    the two scan passes (108 per thread at BLOCK=1024, 4 warps: four programs per SM), so fewer
-    loads were in flight."""
+    ~300 blocks per SM on 42 M lookups), and 64-bit indices and prefix sums cost registers: ptxas for
+    sm_90 at BLOCK=1024 with 4 warps, run starts 92 -> 72 and chunk offsets 108 -> 80 per thread in
+    int32, so more programs fit on an SM and more loads are in flight (docs/performance.md)."""
     p = tl.program_id(0)
     if WIDE:
         return p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

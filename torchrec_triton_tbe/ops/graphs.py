@@ -22,12 +22,12 @@ bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_gr
 Lifecycle of a key: the first call runs eagerly on the key's static buffers (compiles every
 specialization and learns the persistent grids, which a capture must not do); the second captures
 and replays; later calls replay. A module's live graphs of one stream share one memory pool;
-everything allocated inside a capture is scratch of that replay only. At most ``backward.graph_cache`` keys per module
-(least recently used dropped); each holds static copies of its inputs (ids, offsets and the gradient:
-11 MB at FBGEMM's default shape), and the pool the scratch of the largest capture. Keys are per
-stream. Capture runs on a side stream ordered after the current one with stream waits, never a host
-sync; inside somebody else's capture (a user graphing the whole step) the backward runs eagerly into
-that capture.
+everything allocated inside a capture is scratch of that replay only. At most
+``backward.graph_cache`` keys per module (least recently used dropped); each holds static copies of
+its inputs (ids, offsets and the gradient: 11 MB at FBGEMM's default shape), and the pool the scratch
+of the largest capture. Keys are per stream. Capture runs on a side stream ordered after the current
+one with stream waits, never a host sync; inside somebody else's capture (a user graphing the whole
+step) the backward runs eagerly into that capture.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ class BackwardGraphs:
         current = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
-        # Share the memory pool of a live graph of this module replayed on the same stream (everything in
-        # it is per-replay scratch, and replays on one stream never overlap). With none left, a new
+        # Share the memory pool of a live graph of this module replayed on the same stream (everything
+        # in it is per-replay scratch, and replays on one stream never overlap). With none left, a new
         # pool: a pool whose graphs were all dropped cannot be joined again (PyTorch asserts on its
         # zero use count).
         live = next((e.graph for e in self._entries.values() if e.graph is not None and e.stream == stream), None)
