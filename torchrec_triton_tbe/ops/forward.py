@@ -9,7 +9,7 @@ import torch
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
-from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
+from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
@@ -28,7 +28,7 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     tile would be masked work and registers; the mean comes from host ints (len(indices), B*T), never
     from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
     the sums changes (fp rounding)."""
-    return min(gather, next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1)))
+    return min(gather, mean_bag_pow2(num_lookups, num_bags))
 
 
 def pooled_forward(
@@ -74,8 +74,7 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
     """(bucket, grid, constexprs, num_warps) of each launch; memoised per spec on the host ints they
     depend on (the mean bag length only through lanes_gather's power of two)."""
     num_bags = B * spec.plan.num_features
-    mean_len = next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1))
-    key = ("forward", B, mean_len, weighted, weight_bytes)
+    key = ("forward", B, mean_bag_pow2(num_lookups, num_bags), weighted, weight_bytes)
     found = spec.launch_plans.get(key)
     if found is not None:
         return found
@@ -90,8 +89,7 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         bd, bags = bucket.block_d, cfg.bags_per_program
         lanes, gather = cfg.lanes(bd, weight_bytes), cfg.gather.get(bd)
         if lanes > 1:
-            # mean_len * num_bags has the same power-of-two mean bag length as num_lookups.
-            gather = lanes_gather(gather, mean_len * num_bags, num_bags)
+            gather = lanes_gather(gather, num_lookups, num_bags)
         constexprs = dict(
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,

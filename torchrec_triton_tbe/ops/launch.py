@@ -47,6 +47,12 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def mean_bag_pow2(num_lookups: int, num_bags: int) -> int:
+    """The mean bag length rounded up to a power of two (at least 1), from host ints (len(indices),
+    B*T): what the kernels that tile bags by ids-per-step shrink their step to, without a sync."""
+    return next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1))
+
+
 def arg_key(args: Sequence[Any]) -> tuple:
     """The properties of ``args`` Triton specializes a kernel on (see the module docstring)."""
     key = []

@@ -19,7 +19,7 @@ from torchrec_triton_tbe.kernels.transpose import (
     _run_starts_kernel,
     _scan_totals_kernel,
 )
-from torchrec_triton_tbe.ops.launch import cdiv, launch, next_pow2
+from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
@@ -97,11 +97,9 @@ def linearize_tile(bags_per_program: int, lookups_per_step: int, num_lookups: in
     """(bags side by side, ids per bag per step) of the linearize kernel: the configured tile, with the
     step cut to the mean bag length's power of two when bags are shorter and the freed columns given
     to more bags (same tile size). With L=1 bags and 16 ids per step, 15 of 16 tile columns were masked
-    and each program did 64 lookups: 0.22 ms for 4.2 M lookups on the H200, latency-bound. The mean
-    comes from host ints (len(indices), B*T): no sync. Knob, not result: every lookup gets the same key
-    and bag id whatever the tiling."""
-    mean = next_pow2(max(cdiv(num_lookups, max(num_bags, 1)), 1))
-    step = max(1, min(lookups_per_step, mean))
+    and each program did 64 lookups: 0.22 ms for 4.2 M lookups on the H200, latency-bound. Knob, not
+    result: every lookup gets the same key and bag id whatever the tiling."""
+    step = min(lookups_per_step, mean_bag_pow2(num_lookups, num_bags))
     return bags_per_program * (lookups_per_step // step), step
 
 
@@ -133,7 +131,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     run_totals, chunk_totals = totals[0], totals[1]
     block_k = next_pow2(num_bounds)
     grid = (programs,)
-    blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block) or idt == torch.int64)
+    blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block))  # implied by int64 tables (N >= 2**31 - 2)
     launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), blocks, 4)
     launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
