@@ -19,7 +19,6 @@ from torchrec_triton_tbe._fbgemm import (
     SparseType,
 )
 from torchrec_triton_tbe.module import TritonTBE
-from torchrec_triton_tbe.ops.spec import Optim
 from torchrec_triton_tbe.reference import ReferenceTBE
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
@@ -126,18 +125,22 @@ def make_pair(
         for a, b in zip(ours.split_embedding_weights(), other.split_embedding_weights()):
             b.copy_(a)
     else:
+        # The same optimizer (spec and hyper-parameters, FBGEMM's defaults where not given).
+        hyper = {k: kwargs.get(k, d) for k, d in REFERENCE_DEFAULTS.items()}
         other = ReferenceTBE(
             ours.split_embedding_weights(),
             ftm,
             mean=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.MEAN,
-            optimizer=Optim.EXACT_ROWWISE_ADAGRAD
-            if kwargs.get("optimizer") == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-            else Optim.EXACT_SGD,
-            learning_rate=kwargs.get("learning_rate", 0.01),
-            eps=kwargs.get("eps", 1e-8),
+            optimizer=ours.spec.optimizer,
             output_dtype=DTYPE[kwargs.get("output_dtype", SparseType.FP32)],
+            **hyper,
         )
     return ours, other
+
+
+# FBGEMM's constructor defaults of the hyper-parameters ReferenceTBE takes.
+REFERENCE_DEFAULTS = dict(learning_rate=0.01, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=0.0, eta=0.001,
+                          momentum=0.9, max_norm=0.0)
 
 
 def fbgemm_supports(weights: SparseType, output: SparseType, pooling: PoolingMode, weighted: bool, ftm) -> bool:
@@ -159,7 +162,7 @@ def oracle_step(other, batch: Batch, grad: torch.Tensor):
     """One forward + backward (+ optimizer) on either oracle; returns the forward output."""
     if isinstance(other, ReferenceTBE):
         out64 = other.forward(batch.indices, batch.offsets, batch.per_sample_weights)
-        out64.backward(grad.double())
+        other.backward(out64, grad)
         other.step()
         return other.output(out64)
     out = other(batch.indices.clone(), batch.offsets.clone(), batch.per_sample_weights)
@@ -168,10 +171,10 @@ def oracle_step(other, batch: Batch, grad: torch.Tensor):
 
 
 def oracle_state(other):
-    """(weights per table, row-wise state per table or [])."""
+    """(weights per table, [state tensors] per table in split_optimizer_states order, or [])."""
     if isinstance(other, ReferenceTBE):
-        return other.tables, (other.momentum if other.optimizer == Optim.EXACT_ROWWISE_ADAGRAD else [])
-    return other.split_embedding_weights(), [s[0] for s in other.split_optimizer_states()]
+        return other.tables, (other.states if other.spec.states else [])
+    return other.split_embedding_weights(), [list(s) for s in other.split_optimizer_states()]
 
 
 def assert_both_paths(stats: dict) -> None:

@@ -14,7 +14,7 @@ import torch
 import torchrec_triton_tbe  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
 from torchrec_triton_tbe.bench import cli
 from torchrec_triton_tbe.bench.batches import generate_requests, generator_stats, make_workload, run_lengths
-from torchrec_triton_tbe.bench.case import BenchCase, build_parser, explicit_options, load_suite
+from torchrec_triton_tbe.bench.case import BenchCase, build_parser, explicit_options, load_suite, resolve_optimizers
 from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes
 from torchrec_triton_tbe.bench.timing import time_steps
 
@@ -61,10 +61,15 @@ def test_option_handling():
     argv = ["--iters", "7", "--weighted", "--optimizer", "exact_sgd,exact_rowwise_adagrad"]
     assert explicit_options(parser, argv) == {
         "iters": 7, "weighted": True, "optimizers": ("exact_sgd", "exact_rowwise_adagrad")}
-    with pytest.raises(SystemExit):
-        cli.main(["--no-row-wise"])  # EXACT_ADAGRAD: not implemented by TritonTBE
+    # FBGEMM's --row-wise / --no-row-wise select row-wise Adagrad / EXACT_ADAGRAD; contradicting --optimizer exits.
+    args = build_parser().parse_args(["--no-row-wise"])
+    assert resolve_optimizers(args, explicit_options(build_parser(), ["--no-row-wise"])) == ("exact_adagrad",)
     with pytest.raises(SystemExit):
         cli.main(["--row-wise", "--optimizer", "exact_sgd"])
+    with pytest.raises(SystemExit):
+        cli.main(["--no-row-wise", "--optimizer", "adam"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--optimizer", "shampoo"])
     with pytest.raises(SystemExit):
         cli.main(["--check"])  # needs --compare fbgemm
     with pytest.raises(SystemExit):
@@ -230,13 +235,13 @@ def test_cli_smoke_suite_end_to_end(tmp_path, capsys):
     shapes = record["shapes"]
     assert [s["name"] for s in shapes] == ["uniform_fp16", "hot_zipf15_fp32_mean", "mixed_weighted_int32"]
     lines = [p for p in map(parse_log_line, stdout.splitlines()) if p]
-    assert len(lines) == 3 * 6  # per shape: fwd and 2 x bwd, each for triton and fbgemm
+    assert len(lines) == 3 * 8  # per shape: fwd and 3 x bwd, each for triton and fbgemm
     for shape in shapes:
         assert "error" not in shape, shape.get("error")
         opts = shape["options"]
         assert shape["read_write_bytes"] == read_write_bytes(
             opts["batch_size"], shape["Ds"], opts["bag_size"], opts["weights_precision"], opts["output_dtype"])
-        assert set(shape["results"]) == {"fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"}
+        assert set(shape["results"]) == {"fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad", "bwd_exact_adagrad"}
         for key, entry in shape["results"].items():
             for kernel in ("triton", "fbgemm"):
                 t = entry[kernel]

@@ -24,9 +24,9 @@ ROUTINGS = {
 }
 
 
-def train(config, pooling, weighted, steps=3):
+def train(config, pooling, weighted, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, steps=3):
     ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=11, kernel_config=config, pooling_mode=pooling,
-                        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.3, eps=0.01)
+                        optimizer=optimizer, learning_rate=0.3, eps=0.01, weight_decay=0.01)
     ours.collect_backward_stats = True
     g = torch.Generator().manual_seed(12)
     stats = []
@@ -38,9 +38,15 @@ def train(config, pooling, weighted, steps=3):
     return ours, stats
 
 
-@pytest.mark.parametrize("pooling,weighted", [(PoolingMode.SUM, False), (PoolingMode.MEAN, True)])
-def test_routing_sweep_gives_the_same_result(pooling, weighted):
-    results = {name: train(cfg, pooling, weighted) for name, cfg in ROUTINGS.items()}
+@pytest.mark.parametrize("pooling,weighted,optimizer", [
+    (PoolingMode.SUM, False, EmbOptimType.EXACT_ROWWISE_ADAGRAD),
+    (PoolingMode.MEAN, True, EmbOptimType.EXACT_ROWWISE_ADAGRAD),
+    # Element-wise state and a trust ratio over the whole row: both paths must hand the update the same row.
+    (PoolingMode.SUM, True, EmbOptimType.LAMB),
+    (PoolingMode.MEAN, False, EmbOptimType.PARTIAL_ROWWISE_ADAM),
+], ids=["sum-rowwise", "mean-weighted-rowwise", "sum-weighted-lamb", "mean-partial-rowwise-adam"])
+def test_routing_sweep_gives_the_same_result(pooling, weighted, optimizer):
+    results = {name: train(cfg, pooling, weighted, optimizer) for name, cfg in ROUTINGS.items()}
     ref, _ = results["all-short"]
     assert results["all-short"][1][-1]["long_runs"] == 0
     assert results["all-long"][1][-1]["short_runs"] == 0
@@ -50,12 +56,14 @@ def test_routing_sweep_gives_the_same_result(pooling, weighted):
     for name, (m, _) in results.items():
         for t, (a, b) in enumerate(zip(m.split_embedding_weights(), ref.split_embedding_weights())):
             assert_close(a, b, f"{name}: table {t}", atol=2e-6, rtol=2e-6)
-        assert_close(m.momentum1, ref.momentum1, f"{name}: momentum", atol=1e-6, rtol=1e-5)
+        for state in ("momentum1", "momentum2"):
+            assert_close(getattr(m, state), getattr(ref, state), f"{name}: {state}", atol=1e-6, rtol=1e-5)
     # The fused long path reduces each run's partials in the same (chunk) order as the split one.
     for fused, split in [("mixed-fused-long", "mixed")]:
         for a, b in zip(results[fused][0].split_embedding_weights(), results[split][0].split_embedding_weights()):
             assert torch.equal(a, b), fused
-        assert torch.equal(results[fused][0].momentum1, results[split][0].momentum1), fused
+        for state in ("momentum1", "momentum2"):
+            assert torch.equal(getattr(results[fused][0], state), getattr(results[split][0], state)), fused
 
 
 @pytest.mark.parametrize("weights", [SparseType.FP32, SparseType.FP16])

@@ -55,7 +55,7 @@ def main():
     runs = tr_ops.build_runs(spec, idx, off, B)
     st = runs.stats()
     res.update({f"stat_{k}": v for k, v in st.items()})
-    state = bwd_ops.OptimizerTensors(ours.weights, ours.momentum1, ours.learning_rate_tensor, ours.iter, 1e-8)
+    state = ours.optimizer_tensors()
     res["fused_update"] = bench(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, None, B))
     short_only = spec.config.replace_backward(short_threshold=1 << 30)
     import dataclasses

@@ -150,7 +150,7 @@ def main() -> None:
                 print(f"fwd {name:8s} bags={bags} gather={gather} warps={warps} lanes={lanes}: {t:.3f} ms",
                       flush=True)
         if "bwd" in parts:
-            state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
+            state = m.optimizer_tensors()
             for tile, warps, pps, waves in itertools.product(*BWD_GRID.values()):
                 # fp32 weights read backward.tile_fp32 (when the config has one), fp16 weights backward.tile.
                 tiles = {"tile_fp32": with_table(base.backward.tile_fp32 or base.backward.tile, bd, tile)} \
@@ -174,7 +174,7 @@ def main() -> None:
                       flush=True)
         if "route" in parts:
             # Routing moves work between the run-metadata pass and the kernels: time both.
-            state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
+            state = m.optimizer_tensors()
             for threshold, chunk, long_path in itertools.product(*ROUTE_GRID.values()):
                 cfg = base.replace_backward(short_threshold=threshold, long_chunk=chunk, long_path=long_path)
                 spec = dataclasses.replace(m.spec, config=cfg)

@@ -40,7 +40,7 @@ def main() -> None:
     req = generate_requests(1, B, T, L, E, alpha=s["alpha"])[0]
     idx, off = req.indices.to(dev), req.offsets.to(dev)
     grad = torch.randn(B, T * D, device=dev)
-    state = bwd_ops.OptimizerTensors(m.weights, m.momentum1, m.learning_rate_tensor, m.iter, 1e-8)
+    state = m.optimizer_tensors()
     spec = m.spec
     runs = tr_ops.build_runs(spec, idx, off, B)
     print({k: v for k, v in runs.stats().items()})

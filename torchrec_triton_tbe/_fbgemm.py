@@ -12,3 +12,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: F401
     PoolingMode,
 )
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode  # noqa: F401
+# Optimizer configuration objects (defined in this module in 1.6, re-exported from it in 1.9).
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401,E402
+    CounterBasedRegularizationDefinition,
+    CowClipDefinition,
+    GlobalWeightDecayDefinition,
+    UserEnabledConfigDefinition,
+)

@@ -3,10 +3,10 @@
     TRITON_INTERPRET=0 python -m torchrec_triton_tbe.aot [--targets 90,100] [--full] [--json out.json]
 
 How the specializations are found: the module itself is driven (forward + backward, on CPU tensors)
-over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, both
-optimizers, stochastic rounding, every bounds-check mode with and without the fused check, the
+over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, EXACT_SGD
+and EXACT_ROWWISE_ADAGRAD, stochastic rounding, every bounds-check mode with and without the fused check, the
 transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 to 2048 with and
-without padding, plus a forward on bags as long as the widest gather knob — while
+without padding; then every other optimizer variant (``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
 ``JITFunction.run`` is replaced by a recorder. Each launch yields one specialization: kernel,
 argument types, constexpr values and num_warps (what Triton compiles on).
 
@@ -169,7 +169,34 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                             m(long_indices.clone(), long_offsets.clone(), long_psw)
                     except ValueError:
                         continue  # as above
+            # Every other optimizer variant (the update's constexprs), with each weights precision.
+            for v, (wp, (opt, extra)) in enumerate(itertools.product(dtypes, optimizer_variants())):
+                m = TritonTBE(layout, weights_precision=wp, optimizer=opt, stochastic_rounding=v % 2 == 0,
+                              device="cpu", kernel_config=long_paths[v % len(long_paths)], **extra)
+                out = m(indices.clone(), offsets.clone())
+                out.backward(torch.ones_like(out))
     return seen
+
+
+def optimizer_variants() -> list[tuple]:
+    """(optimizer, extra constructor keywords) for every update specialization besides the plain
+    EXACT_SGD / EXACT_ROWWISE_ADAGRAD ones (weight decay modes, max_norm, bias correction, bf16 state)."""
+    from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType, UserEnabledConfigDefinition, WeightDecayMode
+
+    rwa = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    return [
+        (rwa, dict(weight_decay=0.01, weight_decay_mode=WeightDecayMode.L2)),
+        (rwa, dict(weight_decay=0.01, weight_decay_mode=WeightDecayMode.DECOUPLE, max_norm=1.0)),
+        (EmbOptimType.EXACT_ADAGRAD, {}),
+        (EmbOptimType.ADAM, {}),
+        (EmbOptimType.ADAM, dict(extra_optimizer_config=UserEnabledConfigDefinition(use_rowwise_bias_correction=True))),
+        (EmbOptimType.PARTIAL_ROWWISE_ADAM, {}),
+        (EmbOptimType.PARTIAL_ROWWISE_ADAM,
+         dict(optimizer_state_dtypes={"momentum1": SparseType.BF16, "momentum2": SparseType.BF16})),
+        (EmbOptimType.LAMB, {}),
+        (EmbOptimType.PARTIAL_ROWWISE_LAMB, {}),
+        (EmbOptimType.LARS_SGD, {}),
+    ]
 
 
 def _code_path(name: str, consts: tuple) -> str:

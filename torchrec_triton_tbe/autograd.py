@@ -62,6 +62,11 @@ class TBEFunction(torch.autograd.Function):
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
         grad_out = grad_out.contiguous()
+        if spec.optimizer.gradient_clipping:
+            # FBGEMM clamps the output gradient first; the weights' and the per-sample weights'
+            # gradients both follow from the clamped one.
+            bound = spec.optimizer.max_gradient
+            grad_out = grad_out.clamp(-bound, bound)
         grad_psw = None
         if ctx.needs_input_grad[3]:
             grad_psw = bwd_ops.psw_grad(

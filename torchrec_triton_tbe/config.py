@@ -110,8 +110,11 @@ class BackwardConfig:
     graph_max_lookups: int = 0
     graph_cache: int = 8
 
-    def tiles(self, block_d: int, weight_bytes: int) -> int:
-        return _by_weights(self.tile, self.tile_fp32, block_d, weight_bytes)
+    def tiles(self, block_d: int, row_bytes: int) -> int:
+        """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
+        state the update carries in registers beside them (Adam: 8 B more), so an fp16 table with
+        element-wise state takes the fp32 table's tile."""
+        return _by_weights(self.tile, self.tile_fp32, block_d, row_bytes)
 
     def grid_programs(self, device: torch.device) -> int:
         if self.programs_per_sm > 0 and device.type == "cuda":

@@ -4,7 +4,8 @@
 
 On a CPU machine both run on the CPU (our kernels under Triton's interpreter, FBGEMM's CPU TBE);
 with a GPU both run there (FBGEMM's CUDA TBE) at a larger default size. Prints, per step, the
-largest difference of outputs, weights and row-wise Adagrad state, and how the backward routed the
+largest difference of outputs, weights and optimizer state (``--optimizer``, row-wise Adagrad by
+default), and how the backward routed the
 batch's runs (short = one program per row, long = split-K chunks).
 """
 
@@ -38,6 +39,21 @@ def make_batch(T: int, B: int, L: int, rows: int, alpha: float, generator: torch
     return indices, offsets
 
 
+# --optimizer names (the A/B demos'); every optimizer TritonTBE implements.
+OPTIMIZERS = {
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "adam": EmbOptimType.ADAM,
+    "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
+    "lamb": EmbOptimType.LAMB,
+    "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB,
+    "lars_sgd": EmbOptimType.LARS_SGD,
+}
+# FBGEMM's CPU TBE (the FBGEMM side on a machine without CUDA) implements only these.
+CPU_FUSED_OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad")
+
+
 def main(argv=None) -> int:
     gpu = torch.cuda.is_available() and not _env.interpreting()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,9 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("--embedding-dim", type=int, default=128 if gpu else 16)
     ap.add_argument("--bag-size", type=int, default=20 if gpu else 4)
     ap.add_argument("--alpha", type=float, default=1.15, help="Zipf exponent of the ids (> 1)")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="rowwise_adagrad")
     ap.add_argument("--learning-rate", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if not gpu and args.optimizer not in CPU_FUSED_OPTIMIZERS:
+        raise SystemExit(f"--optimizer {args.optimizer}: FBGEMM's CPU TBE implements only "
+                         f"{', '.join(CPU_FUSED_OPTIMIZERS)}; run it on a GPU")
     logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
@@ -62,7 +82,7 @@ def main(argv=None) -> int:
     feature_table_map = sorted(list(range(T)) + [T - 1])
     common = dict(
         feature_table_map=feature_table_map,
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        optimizer=OPTIMIZERS[args.optimizer],
         learning_rate=args.learning_rate,
         eps=1e-3,
         pooling_mode=PoolingMode.SUM,
@@ -80,7 +100,7 @@ def main(argv=None) -> int:
     where = "GPU (compiled Triton vs FBGEMM CUDA)" if gpu else "CPU (Triton interpreter vs FBGEMM CPU)"
     print(f"TritonTBE vs FBGEMM SplitTableBatchedEmbeddingBagsCodegen on {where}")
     print(f"features={len(feature_table_map)} tables={T} dims={dims} rows={args.num_embeddings} B={B} "
-          f"mean L={args.bag_size} alpha={args.alpha} row-wise Adagrad lr={args.learning_rate}")
+          f"mean L={args.bag_size} alpha={args.alpha} {args.optimizer} lr={args.learning_rate}")
     head = (f"{'step':>4} {'lookups':>8} {'max|dOut|':>10} {'max|dW|':>10} {'max|dState|':>11} "
             f"{'runs':>6} {'short':>6} {'long':>5} {'chunks':>6} {'ms ours':>8} {'ms fbgemm':>9}")
     print(head)
@@ -103,8 +123,9 @@ def main(argv=None) -> int:
         d_out = (outs[0] - outs[1]).abs().max().item()
         d_w = max((a - b).abs().max().item() for a, b in zip(ours.split_embedding_weights(),
                                                              fbgemm.split_embedding_weights()))
-        d_m = max((a[0] - b[0]).abs().max().item() for a, b in zip(ours.split_optimizer_states(),
-                                                                 fbgemm.split_optimizer_states()))
+        d_m = max(((a.float() - b.float()).abs().max().item() for mine, theirs in
+                   zip(ours.split_optimizer_states(), fbgemm.split_optimizer_states()) for a, b in zip(mine, theirs)),
+                  default=0.0)
         s = ours.backward_stats()
         print(f"{step:>4} {s['lookups']:>8} {d_out:>10.2e} {d_w:>10.2e} {d_m:>11.2e} {s['runs']:>6} "
               f"{s['short_runs']:>6} {s['long_runs']:>5} {s['long_chunks']:>6} {times[0]:>8.1f} {times[1]:>9.1f}")

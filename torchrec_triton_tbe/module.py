@@ -1,15 +1,8 @@
 """TritonTBE: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` interface on Triton kernels.
 
 Same constructor arguments (names, order, defaults of fbgemm_gpu 1.6-1.9), same ``forward`` signature
-and positional order, same state getters, FBGEMM's own enums. Keywords are handled in three groups:
-
-* used: embedding_specs, feature_table_map, weights_precision, output_dtype, optimizer,
-  stochastic_rounding, learning_rate, eps, pooling_mode, device, bounds_check_mode, table_names,
-  embedding_table_index_type, embedding_table_offset_type;
-* would change results and are not supported: raise ``NotImplementedError`` naming the keyword when set
-  to anything but FBGEMM's default (see ``_UNSUPPORTED``);
-* only concern caching, UVM placement, monitoring or other optimizers' hyper-parameters: accepted and
-  ignored (``_IGNORED``); every table lives in device memory.
+and positional order, same state getters, FBGEMM's own enums. What each constructor keyword does here
+(used, accepted and ignored, or rejected by name) is in ``compat.py``.
 """
 
 from __future__ import annotations
@@ -32,47 +25,26 @@ from torchrec_triton_tbe._fbgemm import (
     SparseType,
     WeightDecayMode,
 )
+from torchrec_triton_tbe import compat
 from torchrec_triton_tbe.autograd import LookupCall, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops.backward import OptimizerTensors
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
-from torchrec_triton_tbe.ops.spec import Bounds, Optim, TBESpec
+from torchrec_triton_tbe.ops.spec import HYPER_FIELDS, Bounds, TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan
 from torchrec_triton_tbe.plan import PlanTensors, TablePlan
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
-_OPTIMIZERS = {EmbOptimType.EXACT_SGD: Optim.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD: Optim.EXACT_ROWWISE_ADAGRAD}
 _POOLING = {PoolingMode.SUM: False, PoolingMode.MEAN: True}
-
-# Keyword -> FBGEMM default. Anything else changes results in FBGEMM and is not implemented here.
-_UNSUPPORTED = {
-    "gradient_clipping": False,
-    "max_norm": 0.0,
-    "weight_decay": 0.0,
-    "weight_decay_mode": WeightDecayMode.NONE,
-    "counter_based_regularization": None,
-    "cowclip_regularization": None,
-    "global_weight_decay": None,
-    "ensemble_mode": None,
-    "emainplace_mode": None,
-    "optimizer_state_dtypes": None,
-    "extra_optimizer_config": None,
-    "enable_raw_embedding_streaming": False,
-    "res_params": None,
-    "is_qr_tbe": False,
-}
-# Accepted and ignored: caching / UVM placement / prefetch / monitoring knobs, and hyper-parameters
-# of optimizers other than EXACT_SGD and EXACT_ROWWISE_ADAGRAD.
-_IGNORED = (
-    "cache_algorithm cache_load_factor cache_sets cache_reserved_memory cache_precision enforce_hbm "
-    "record_cache_metrics gather_uvm_cache_stats max_gradient momentum ar_alpha ema_beta min_shrinkage "
-    "eta beta1 beta2 uvm_non_rowwise_momentum use_experimental_tbe prefetch_pipeline stats_reporter_config "
-    "multipass_prefetch_config uvm_host_mapped tbe_input_multiplexer_config embedding_shard_info "
-    "preallocated_host_buffers"
-).split()
+# The buffers a backward updates or reads, in OptimizerTensors' field order.
+_STATE_BUFFERS = ("weights", "momentum1", "momentum2", "row_counter", "learning_rate_tensor", "optimizer_hyper",
+                  "iter")
+# update_hyper_parameters keys FBGEMM takes; "lower_bound" configures global weight decay, which is
+# never enabled here (as in FBGEMM without it, setting it changes nothing).
+_UPDATABLE = ("eps", "beta1", "beta2", "weight_decay")
 
 
 def _resolve_device(device, specs) -> torch.device:
@@ -155,18 +127,8 @@ class TritonTBE(nn.Module):
     ) -> None:
         super().__init__()
         given = dict(locals())
-        for name, default in _UNSUPPORTED.items():
-            value = given[name]
-            changed = value not in (None, {}, [], ()) if default is None else value != default
-            if changed:
-                raise NotImplementedError(
-                    f"TritonTBE: {name}={value!r} is not supported (it changes results in FBGEMM); "
-                    f"supported value: {default!r}"
-                )
-        if optimizer not in _OPTIMIZERS:
-            raise NotImplementedError(
-                f"TritonTBE: optimizer={optimizer} is not supported; use EXACT_SGD or EXACT_ROWWISE_ADAGRAD"
-            )
+        compat.check_keywords(given)
+        optim_spec, hyper = compat.optimizer_spec(given)
         pooling_mode = PoolingMode(pooling_mode)
         if pooling_mode not in _POOLING:
             raise NotImplementedError(f"TritonTBE: pooling_mode={pooling_mode.name} is not supported; use SUM or MEAN")
@@ -211,21 +173,26 @@ class TritonTBE(nn.Module):
         self.total_D = plan.total_D
         self.max_D = plan.max_D
         self.T = plan.num_features
-        self._eps = float(eps)
-        self._hyper = {"beta1": beta1, "beta2": beta2}
-        ignored = {k: given[k] for k in _IGNORED}
-        logger.debug("TritonTBE: ignored FBGEMM keywords %s", ignored)
+        logger.debug("TritonTBE: ignored FBGEMM keywords %s", {k: given[k] for k in compat.IGNORED})
 
         dev = self.current_device
         wdtype = _DTYPES[weights_precision]
         self.register_buffer("weights", torch.zeros(plan.total_weight_elements, dtype=wdtype, device=dev))
-        rowwise = optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-        self.register_buffer(
-            "momentum1", torch.zeros(plan.total_rows if rowwise else 0, dtype=torch.float32, device=dev)
-        )
+        # FBGEMM's optimizer state buffers (momentum1, momentum2, row_counter), empty where unused.
+        held = {state.name: state for state in optim_spec.states}
+        for name in ("momentum1", "momentum2", "row_counter"):
+            state = held.get(name)
+            size = 0 if state is None else (plan.total_rows if state.rowwise else plan.total_weight_elements)
+            dtype = torch.float32 if state is None else state.dtype
+            self.register_buffer(name, torch.zeros(size, dtype=dtype, device=dev))
         self._lr = float(learning_rate)
-        # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate.
+        # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate and
+        # update_hyper_parameters.
         self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev))
+        self.register_buffer(
+            "optimizer_hyper", torch.tensor([hyper[n] for n in HYPER_FIELDS], dtype=torch.float32, device=dev),
+            persistent=False,
+        )
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
         # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
@@ -240,7 +207,7 @@ class TritonTBE(nn.Module):
             pooling_mean=_POOLING[pooling_mode],
             weights_dtype=wdtype,
             output_dtype=self.output_dtype,
-            optimizer=_OPTIMIZERS[optimizer],
+            optimizer=optim_spec,
             stochastic_rounding=bool(stochastic_rounding),
             bounds=Bounds(self.bounds_check_mode_int),
             config=load_config(dev, kernel_config),
@@ -321,15 +288,14 @@ class TritonTBE(nn.Module):
         fifth of the forward's host time on small batches). Keyed by the identity of every tensor it
         holds: a replaced buffer (``module.to``, ``load_state_dict(assign=True)``) gives a new call, and
         the old one keeps its tensors alive, so their ids cannot be reused while it is cached."""
-        names = ("weights", "momentum1", "learning_rate_tensor", "iter", "bounds_check_warning")
-        key = (id(spec), B, self._eps, self.collect_backward_stats, *(id(bufs[n]) for n in names))
+        names = (*_STATE_BUFFERS, "bounds_check_warning")
+        key = (id(spec), B, self.collect_backward_stats, *(id(bufs[n]) for n in names))
         cached = self._cached_call
         if cached is not None and cached[0] == key:
             return cached[1]
         call = LookupCall(
             spec=spec,
-            state=OptimizerTensors(bufs["weights"], bufs["momentum1"], bufs["learning_rate_tensor"], bufs["iter"],
-                                   self._eps),
+            state=self.optimizer_tensors(),
             B=B,
             warning=bufs["bounds_check_warning"],
             on_runs=self._record_runs if self.collect_backward_stats else None,
@@ -337,6 +303,10 @@ class TritonTBE(nn.Module):
         )
         self._cached_call = (key, call)
         return call
+
+    def optimizer_tensors(self) -> OptimizerTensors:
+        """The tensors a backward updates in place (the module's current buffers)."""
+        return OptimizerTensors(*(self._buffers[n] for n in _STATE_BUFFERS))
 
     def _record_runs(self, runs: RunPlan) -> None:
         self._last_runs = runs
@@ -356,17 +326,38 @@ class TritonTBE(nn.Module):
         ]
 
     def split_optimizer_states(self) -> list[list[torch.Tensor]]:
-        if self.optimizer == EmbOptimType.EXACT_SGD:
-            return []
+        """Per table, views of its optimizer state tensors in FBGEMM's order (momentum1, momentum2,
+        row_counter as the optimizer has them): ``(rows,)`` if row-wise, else ``(rows, dim)``. ``[]``
+        for EXACT_SGD."""
         plan = self._spec.plan
-        return [[self.momentum1.detach()[ro : ro + r]] for ro, r in zip(plan.row_offsets, plan.rows)]
+        states = self._spec.optimizer.states
+        if not states:
+            return []
+        out = []
+        for k, (r, d) in enumerate(zip(plan.rows, plan.dims)):
+            per_table = []
+            for state in states:
+                flat = getattr(self, state.name).detach()
+                if state.rowwise:
+                    per_table.append(flat[plan.row_offsets[k] : plan.row_offsets[k] + r])
+                else:
+                    off = plan.weights_offsets[k]
+                    per_table.append(flat[off : off + r * d].view(r, d))
+            out.append(per_table)
+        return out
 
     def get_optimizer_state(self) -> list[dict[str, torch.Tensor]]:
-        return [{"sum": states[0]} for states in self.split_optimizer_states()]
+        """FBGEMM's per-table state dicts: ``{"sum"}`` (Adagrads), ``{"exp_avg", "exp_avg_sq"}`` (Adam /
+        LAMB families, ``+ "row_counter"`` with row-wise bias correction), ``{"momentum_buffer"}``
+        (LARS_SGD, for which FBGEMM raises); ``[]`` for EXACT_SGD."""
+        keys = self._spec.optimizer.state_keys
+        return [dict(zip(keys, states)) for states in self.split_optimizer_states()]
 
     def get_optimizer_buffer(self, state: str) -> torch.Tensor:
-        for name, buffer in self.named_buffers():
-            if name == state:
+        # FBGEMM's buffers are named <state>_dev (momentum1_dev); ours <state>.
+        name = state[: -len("_dev")] if state.endswith("_dev") else state
+        for buffer_name, buffer in self.named_buffers():
+            if buffer_name == name:
                 return buffer
         raise ValueError(f"Optimizer buffer {state} not found")
 
@@ -378,19 +369,20 @@ class TritonTBE(nn.Module):
         self.learning_rate_tensor.fill_(self._lr)
 
     def update_hyper_parameters(self, params_dict: dict[str, float]) -> None:
+        """FBGEMM's keys: ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``lower_bound``."""
         for name, value in params_dict.items():
             if name == "lr":
                 self.set_learning_rate(value)
-            elif name == "eps":
-                self._eps = float(value)
-            elif name in ("beta1", "beta2"):
-                self._hyper[name] = value  # unused by EXACT_SGD / EXACT_ROWWISE_ADAGRAD
-            elif name == "weight_decay" and value == 0.0:
+            elif name in _UPDATABLE:
+                # A device fill, no host sync; the next backward (eager or replayed) reads it.
+                self.optimizer_hyper[HYPER_FIELDS.index(name)].fill_(float(value))
+            elif name == "lower_bound":
                 pass
             else:
-                raise NotImplementedError(f"Setting hyper-parameter {name}={value} is not supported")
+                raise NotImplementedError(f"Setting hyper-parameter {name} is not supported")
 
     def set_optimizer_step(self, step: int) -> None:
+        """The step count; the next update is step + 1 (Adam / LAMB bias correction), as in FBGEMM."""
         self.iter.fill_(step)
 
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:

@@ -34,12 +34,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from torchrec_triton_tbe import _env
-from torchrec_triton_tbe._fbgemm import EmbOptimType
-from torchrec_triton_tbe.demo import skewed_ids
+from torchrec_triton_tbe.demo import CPU_FUSED_OPTIMIZERS, OPTIMIZERS, skewed_ids
 from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise")
-OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+
 
 
 @dataclass(frozen=True)
@@ -235,6 +234,9 @@ def main(argv=None) -> int:
 
 
 def _run(args, setup: Setup) -> int:
+    if not setup.gpu and args.optimizer not in CPU_FUSED_OPTIMIZERS:
+        raise SystemExit(f"--optimizer {args.optimizer}: FBGEMM's CPU TBE (the 'fused' side without a GPU) "
+                         f"implements only {', '.join(CPU_FUSED_OPTIMIZERS)}; run it on a GPU")
     torch.manual_seed(args.seed)
     tables = _tables(args)
     dense_in = 13  # DLRM's Criteo dense feature count

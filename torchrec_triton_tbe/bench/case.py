@@ -4,8 +4,9 @@ Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings
 (``TbeBenchClickInterface.common_options / table_options / device_options`` plus the ``device``
 command's own options), so a command line written for FBGEMM's benchmark means the same here.
 Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
-Adagrad or EXACT_ADAGRAD; TritonTBE has EXACT_SGD and EXACT_ROWWISE_ADAGRAD), pooling ``none`` and the
-weight types FBGEMM quantizes (int8, fp8, ...) are not offered because TritonTBE does not implement them.
+Adagrad or EXACT_ADAGRAD, which map onto it; here every optimizer TritonTBE implements, by FBGEMM's
+EmbOptimType names in lower case), pooling ``none`` and the weight types FBGEMM quantizes (int8, fp8,
+...) are not offered because TritonTBE does not implement them.
 
 Precedence when a suite is used: FBGEMM's defaults < the suite's ``defaults`` < the shape entry <
 options given explicitly on the command line (so ``--suite h200 --iters 20`` shortens every shape).
@@ -21,7 +22,9 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import yaml
 
-OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad")
+# FBGEMM's EmbOptimType member names, lower case (runner.py maps them back).
+OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad", "exact_adagrad", "adam", "partial_rowwise_adam", "lamb",
+              "partial_rowwise_lamb", "lars_sgd")
 PASSES = ("fwd", "bwd")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -178,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-tables", type=int, default=default.num_tables)
     g.add_argument("--row-wise", action=argparse.BooleanOptionalAction, default=None,
                    help="FBGEMM compatibility: --row-wise = --optimizer exact_rowwise_adagrad (the default); "
-                   "--no-row-wise (EXACT_ADAGRAD) is not implemented by TritonTBE")
+                   "--no-row-wise = --optimizer exact_adagrad")
     g.add_argument("--weighted", action="store_true", default=default.weighted)
     g.add_argument("--pooling", choices=("sum", "mean"), default=default.pooling)
     g.add_argument("--bounds-check-mode", type=int, default=default.bounds_check_mode,
@@ -191,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = p.add_argument_group("A/B options")
     x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
-                   help="comma-separated: exact_sgd, exact_rowwise_adagrad (default, FBGEMM's --row-wise)")
+                   help="comma-separated, of: " + ", ".join(OPTIMIZERS) + " (default exact_rowwise_adagrad, "
+                   "FBGEMM's --row-wise)")
     x.add_argument("--embedding-dim-list", type=_comma_list(int), default=None,
                    help="explicit per-table D, comma-separated (as FBGEMM's device-with-spec)")
     x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
@@ -250,14 +254,13 @@ def case_from_mapping(values: Mapping[str, Any], name: str) -> BenchCase:
 def resolve_optimizers(args: argparse.Namespace, given: Mapping[str, Any]) -> Optional[tuple[str, ...]]:
     """FBGEMM's --row-wise/--no-row-wise mapped onto --optimizer; None when neither says anything."""
     row_wise = given.get("row_wise")
-    if row_wise is False:
-        raise SystemExit("--no-row-wise selects FBGEMM's EXACT_ADAGRAD, which TritonTBE does not implement; "
-                         "use --optimizer exact_sgd or exact_rowwise_adagrad")
-    if row_wise and "optimizers" in given and tuple(given["optimizers"]) != ("exact_rowwise_adagrad",):
-        raise SystemExit("--row-wise means --optimizer exact_rowwise_adagrad; give one or the other")
-    if row_wise:
-        return ("exact_rowwise_adagrad",)
-    return tuple(given["optimizers"]) if "optimizers" in given else None
+    if row_wise is None:
+        return tuple(given["optimizers"]) if "optimizers" in given else None
+    meant = ("exact_rowwise_adagrad",) if row_wise else ("exact_adagrad",)
+    if "optimizers" in given and tuple(given["optimizers"]) != meant:
+        flag = "--row-wise" if row_wise else "--no-row-wise"
+        raise SystemExit(f"{flag} means --optimizer {meant[0]}; give one or the other")
+    return meant
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,11 +24,12 @@ from torchrec_triton_tbe._fbgemm import (
     SparseType,
 )
 from torchrec_triton_tbe.bench.batches import Workload
+from torchrec_triton_tbe.bench.case import OPTIMIZERS
 from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, gbps, log_line, read_write_bytes
 from torchrec_triton_tbe.bench.timing import time_steps
 from torchrec_triton_tbe.module import TritonTBE
 
-_OPTIMIZER = {"exact_sgd": EmbOptimType.EXACT_SGD, "exact_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+_OPTIMIZER = {name: EmbOptimType[name.upper()] for name in OPTIMIZERS}
 _POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}
 # --check tolerances by the least precise dtype involved. Forward: FBGEMM's forward tests (1e-5 for
 # fp32, 8e-3 otherwise; bf16 looser by its 3 fewer mantissa bits). Weights after one update: the
@@ -133,7 +134,8 @@ def _compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float, rows_pe
 
 
 def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimizer: str) -> dict[str, Any]:
-    """Forward outputs on the first batch, then weights (and row-wise state) after one backward."""
+    """Forward outputs on the first batch, then weights and every optimizer state tensor after one
+    backward."""
     case = w.case
     outs = {}
     for name, module in modules.items():
@@ -146,11 +148,11 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
     w_tol = _WEIGHT_TOL[_least_precise(case.weights_precision, case.output_dtype)]
     per_table = [_compare(a, b, *w_tol) for a, b in zip(ours.split_embedding_weights(), ref.split_embedding_weights())]
     result["weights_after_backward"] = _merge(per_table)
-    if optimizer == "exact_rowwise_adagrad":
-        s_tol = (1e-6, 1e-3) if case.output_dtype == "fp32" else (1e-4, 1e-2)
-        pairs = zip(ours.split_optimizer_states(), ref.split_optimizer_states())
-        states = [_compare(a[0], b[0], *s_tol) for a, b in pairs]
-        result["rowwise_state_after_backward"] = _merge(states)
+    s_tol = (1e-6, 1e-3) if case.output_dtype == "fp32" else (1e-4, 1e-2)
+    states = [_compare(a, b, *s_tol) for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
+              for a, b in zip(mine, theirs)]
+    if states:
+        result["state_after_backward"] = _merge(states)
     result["ok"] = all(v["ok"] for v in result.values() if isinstance(v, dict))
     return result
 

@@ -9,7 +9,7 @@ finish applies it, found with an acquire-release counter). Both reduce a run's p
 order, so they give identical bits; which is faster is measured per target (configs/).
 
 Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
-per long run one row read + written and 8 B of row-wise state.
+per long run one row read + written and its optimizer state (kernels/optim.py).
 """
 
 import triton
@@ -71,9 +71,12 @@ def _backward_long_partials_kernel(
 @triton.jit
 def _backward_long_apply_kernel(
     weights_ptr,
-    momentum_ptr,
+    m1_ptr,
+    m2_ptr,
+    m3_ptr,
     lr_ptr,
-    seed_ptr,
+    hyper_ptr,
+    step_ptr,
     partials_ptr,
     sorted_keys_ptr,
     sorted_bags_ptr,
@@ -89,9 +92,11 @@ def _backward_long_apply_kernel(
     B,
     bag_shift,
     partial_stride,
-    eps,
     NPROG,
     OPTIM: tl.constexpr,
+    WD_MODE: tl.constexpr,
+    MAX_NORM: tl.constexpr,
+    ROW_BIAS: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -103,7 +108,7 @@ def _backward_long_apply_kernel(
     has finished (stream order), so every partial has landed."""
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
-    seed = tl.load(seed_ptr)
+    step = tl.load(step_ptr)
     cols = tl.arange(0, BLOCK_D)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
@@ -112,19 +117,23 @@ def _backward_long_apply_kernel(
         first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
         if c == first_chunk:
             _apply_run(
-                weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
-                feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                weights_ptr, m1_ptr, m2_ptr, m3_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr,
+                feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
                 tl.load(run_start_ptr + r).to(tl.int64), first_chunk, tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64),
-                B, bag_shift, partial_stride, lr, eps, seed, cols, OPTIM, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
+                B, bag_shift, partial_stride, lr, hyper_ptr, step, cols, OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
+                SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
             )
 
 
 @triton.jit
 def _backward_long_fused_kernel(
     weights_ptr,
-    momentum_ptr,
+    m1_ptr,
+    m2_ptr,
+    m3_ptr,
     lr_ptr,
-    seed_ptr,
+    hyper_ptr,
+    step_ptr,
     partials_ptr,
     counters_ptr,
     grad_out_ptr,
@@ -147,9 +156,11 @@ def _backward_long_fused_kernel(
     total_D,
     chunk,
     partial_stride,
-    eps,
     NPROG,
     OPTIM: tl.constexpr,
+    WD_MODE: tl.constexpr,
+    MAX_NORM: tl.constexpr,
+    ROW_BIAS: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
@@ -167,7 +178,7 @@ def _backward_long_fused_kernel(
     """
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
-    seed = tl.load(seed_ptr)
+    step = tl.load(step_ptr)
     cols = tl.arange(0, BLOCK_D)
     lanes = tl.arange(0, TILE)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
@@ -186,10 +197,10 @@ def _backward_long_fused_kernel(
         done = tl.atomic_add(counters_ptr + first_chunk, 1, sem="acq_rel")
         if done == last_chunk - first_chunk - 1:
             _apply_run(
-                weights_ptr, momentum_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr, feature_key_offset_ptr,
-                feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
-                run_s, first_chunk, last_chunk, B, bag_shift, partial_stride, lr, eps, seed, cols, OPTIM,
-                SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
+                weights_ptr, m1_ptr, m2_ptr, m3_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr,
+                feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                run_s, first_chunk, last_chunk, B, bag_shift, partial_stride, lr, hyper_ptr, step, cols, OPTIM,
+                WD_MODE, MAX_NORM, ROW_BIAS, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
             )
 
 
@@ -208,7 +219,9 @@ def _chunk_slots(c, chunk_run_ptr, run_chunk_begin_ptr, run_start_ptr, chunk):
 @triton.jit
 def _apply_run(
     weights_ptr,
-    momentum_ptr,
+    m1_ptr,
+    m2_ptr,
+    m3_ptr,
     partials_ptr,
     sorted_keys_ptr,
     sorted_bags_ptr,
@@ -223,10 +236,13 @@ def _apply_run(
     bag_shift,
     partial_stride,
     lr,
-    eps,
-    seed,
+    hyper_ptr,
+    step,
     cols,
     OPTIM: tl.constexpr,
+    WD_MODE: tl.constexpr,
+    MAX_NORM: tl.constexpr,
+    ROW_BIAS: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -260,9 +276,10 @@ def _apply_run(
             mask=(kk < last_chunk)[:, None] & cmask, other=0.0, cache_modifier=".cg",
         )
     grad = tl.sum(acc, axis=0)[None, :]
-    w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
-    w = tl.load(w_ptrs, mask=cmask, other=0.0).to(tl.float32)
+    w_off = w_row[:, None] + cols[None, :]
+    w = tl.load(weights_ptr + w_off, mask=cmask, other=0.0).to(tl.float32)
     apply_rows_update(
-        w_ptrs, w, momentum_ptr + state_row, grad, cmask, rmask, D, lr, eps, seed,
-        (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
+        weights_ptr, w_off, w, grad, cmask, rmask, D, state_row, m1_ptr, m2_ptr, m3_ptr, lr, hyper_ptr, step,
+        (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
+        SR_DROP_BITS,
     )

@@ -21,8 +21,8 @@ Rows are summed in slot order (batch order within a run: the sort is stable), so
 deterministic.
 
 Byte accounting per short run of length L: L * (4-8 B bag id [+ 4 B psw] + one gradient row) + its
-bounds and key (12-16 B) + one weight row read and written + row-wise state 8 B. Persistent grid:
-NPROG programs stride over the bucket's runs, whose range they read from device memory.
+bounds and key (12-16 B) + one weight row read and written + the row's optimizer state read and
+written (kernels/optim.py: 8 B for row-wise Adagrad). Persistent grid: NPROG programs stride over the bucket's runs, whose range they read from device memory.
 """
 
 import triton
@@ -35,9 +35,12 @@ from torchrec_triton_tbe.kernels.optim import apply_rows_update
 @triton.jit
 def _backward_short_kernel(
     weights_ptr,
-    momentum_ptr,
+    m1_ptr,
+    m2_ptr,
+    m3_ptr,
     lr_ptr,
-    seed_ptr,
+    hyper_ptr,
+    step_ptr,
     grad_out_ptr,
     sorted_keys_ptr,
     sorted_bags_ptr,
@@ -55,9 +58,11 @@ def _backward_short_kernel(
     bag_shift,
     total_D,
     threshold,
-    eps,
     NPROG,
     OPTIM: tl.constexpr,
+    WD_MODE: tl.constexpr,
+    MAX_NORM: tl.constexpr,
+    ROW_BIAS: tl.constexpr,
     SR_DROP_BITS: tl.constexpr,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
@@ -67,9 +72,10 @@ def _backward_short_kernel(
     TILE: tl.constexpr,
 ):
     """
-    weights_ptr: flat weights (fp32/fp16/bf16), updated in place. momentum_ptr: [total_rows] fp32.
-    lr_ptr: fp32[1] learning rate (device-resident so CUDA graphs see scheduler updates).
-    seed_ptr: int64[1] optimizer step, seeds stochastic rounding.
+    weights_ptr: flat weights (fp32/fp16/bf16), updated in place. m1/m2/m3_ptr: the optimizer's state
+    (kernels/optim.py). lr_ptr: fp32[1] learning rate, hyper_ptr: fp32 other hyper-parameters (both
+    device-resident so CUDA graphs see scheduler and hyper-parameter updates).
+    step_ptr: int64[1] optimizer step (bias correction; seeds stochastic rounding).
     grad_out_ptr: [B, total_D] output gradient.
     sorted_keys_ptr / sorted_bags_ptr / sorted_psw_ptr: [N] per sorted slot: row key, bag id
         (t << bag_shift) | b, per-sample weight (fp32, read only if WEIGHTED).
@@ -80,7 +86,7 @@ def _backward_short_kernel(
     STRIDE = NPROG * TILE
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
-    seed = tl.load(seed_ptr)
+    step = tl.load(step_ptr)
     cols = tl.arange(0, BLOCK_D)
     lanes = tl.arange(0, TILE)
     r_lo = tl.load(bucket_run_bounds_ptr + bucket).to(tl.int64)
@@ -97,8 +103,8 @@ def _backward_short_kernel(
             umask = tl.broadcast_to(act[:, None], (TILE, BLOCK_D))
         else:
             umask = act[:, None] & (cols[None, :] < D[:, None])
-        w_ptrs = weights_ptr + w_row[:, None] + cols[None, :]
-        w = tl.load(w_ptrs, mask=umask, other=0.0).to(tl.float32)
+        w_off = w_row[:, None] + cols[None, :]
+        w = tl.load(weights_ptr + w_off, mask=umask, other=0.0).to(tl.float32)
         acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)
         steps = tl.max(tl.where(act, L, 0), axis=0)
         for j in range(0, steps):
@@ -114,8 +120,9 @@ def _backward_short_kernel(
             acc += g
             bag, psw = n_bag, n_psw
         apply_rows_update(
-            w_ptrs, w, momentum_ptr + state_row, acc, umask, act, D, lr, eps, seed,
-            (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, SR_DROP_BITS,
+            weights_ptr, w_off, w, acc, umask, act, D, state_row, m1_ptr, m2_ptr, m3_ptr, lr, hyper_ptr, step,
+            (state_row[:, None] * BLOCK_D + cols[None, :]).to(tl.int32), OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
+            SR_DROP_BITS,
         )
 
 

@@ -34,10 +34,20 @@ class OptimizerTensors:
     """The mutable state a backward updates in place (owned by the module)."""
 
     weights: torch.Tensor  # flat
-    momentum: torch.Tensor  # [total_rows] fp32 (row-wise Adagrad) or empty
+    # The optimizer's state (OptimizerSpec.states: momentum1, momentum2, row_counter), each [total_rows]
+    # (row-wise) or laid out like the weights (element-wise); empty where the optimizer has none.
+    momentum1: torch.Tensor
+    momentum2: torch.Tensor
+    row_counter: torch.Tensor
     learning_rate: torch.Tensor  # fp32 [1]
+    hyper: torch.Tensor  # fp32 [len(HYPER_FIELDS)]
     step: torch.Tensor  # int64 [1]
-    eps: float
+
+    def kernel_args(self) -> tuple:
+        """(weights, m1, m2, m3, lr, hyper, step) as the update kernels take them; an empty state
+        tensor is passed as a stand-in the kernel never reads (its optimizer has no such state)."""
+        m1, m2, m3 = (t if t.numel() else self.hyper for t in (self.momentum1, self.momentum2, self.row_counter))
+        return (self.weights, m1, m2, m3, self.learning_rate, self.hyper, self.step)
 
 
 # Persistent grid per compiled specialization, learned at its first launch (BackwardConfig.waves).
@@ -129,7 +139,6 @@ def fused_update(
     weighted = per_sample_weights is not None
     # Per-sample weights in sorted order (fp32), so the kernels read them coalesced.
     sorted_psw = per_sample_weights.float()[runs.perm] if weighted else grad_out
-    momentum = state.momentum if state.momentum.numel() else state.learning_rate
     partial_stride = max(b.block_d for b in plan.buckets)
     # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated per batch (the caching
     # allocator makes this free in steady state) and never read past the live chunks.
@@ -141,14 +150,14 @@ def fused_update(
         if not bucket.features:
             continue
         bd = bucket.block_d
-        tile = bcfg.tiles(bd, state.weights.element_size())
+        tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
             BLOCK_D=bd,
         )
         warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
-        update = dict(OPTIM=int(spec.optimizer), SR_DROP_BITS=spec.sr_drop_bits)
+        update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
         layout = (
             tensors.feature_out_offset,
             tensors.feature_key_offset,
@@ -159,7 +168,7 @@ def fused_update(
         # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
         chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
         modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
-        optim_state = (state.weights, momentum, state.learning_rate, state.step)
+        optim_state = state.kernel_args()
         _launch_persistent(
             _backward_short_kernel,
             bcfg,
@@ -179,7 +188,6 @@ def fused_update(
                 runs.bag_shift,
                 plan.total_D,
                 runs.threshold,
-                state.eps,
             ),
             dict(**modes, **update, **common),
             warps,
@@ -206,7 +214,6 @@ def fused_update(
                     plan.total_D,
                     runs.chunk,
                     partial_stride,
-                    state.eps,
                 ),
                 dict(**modes, **update, **common),
                 warps,
@@ -253,7 +260,6 @@ def fused_update(
                 B,
                 runs.bag_shift,
                 partial_stride,
-                state.eps,
             ),
             dict(TILE=tile, **update, **common),
             warps,

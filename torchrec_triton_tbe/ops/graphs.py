@@ -10,8 +10,8 @@ host time, 0.27 ms event-timed on that shape (docs/performance.md).
 
 What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
 count, the dtypes of ids / offsets / gradient / per-sample weights, the addresses of the weights,
-optimizer state, learning rate and step tensors (read at replay time: ``set_learning_rate`` and
-``set_optimizer_step`` are seen), and eps (a kernel argument, baked in).
+optimizer state, learning rate, hyper-parameter and step tensors (read at replay time:
+``set_learning_rate``, ``update_hyper_parameters`` and ``set_optimizer_step`` are seen).
 
 Varying batch sizes: N is rounded up to a multiple of 2**(bit_length(N) - 1 - PAD_BITS), so a workload
 whose N moves by a few percent replays a handful of graphs instead of capturing one per batch. Slots
@@ -131,8 +131,7 @@ class BackwardGraphs:
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (
             id(spec), B, n_static, indices.dtype, offsets.dtype, grad_out.dtype, tuple(grad_out.shape), psw_dtype,
-            state.weights.data_ptr(), state.momentum.data_ptr(), state.learning_rate.data_ptr(),
-            state.step.data_ptr(), state.eps, device, stream,
+            *(t.data_ptr() for t in state.kernel_args()), device, stream,
         )
         entry = self._entries.get(key)
         if entry is None:

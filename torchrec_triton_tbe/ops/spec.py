@@ -23,8 +23,106 @@ class Bounds(enum.IntEnum):
 
 
 class Optim(enum.IntEnum):
+    """The fused optimizers (FBGEMM's EmbOptimType members of the same names; kernels/optim.py's OPTIM)."""
+
     EXACT_SGD = 0
     EXACT_ROWWISE_ADAGRAD = 1
+    EXACT_ADAGRAD = 2
+    ADAM = 3
+    PARTIAL_ROWWISE_ADAM = 4
+    LAMB = 5
+    PARTIAL_ROWWISE_LAMB = 6
+    LARS_SGD = 7
+
+
+class WeightDecay(enum.IntEnum):
+    """Row-wise Adagrad's weight decay modes, numbered as FBGEMM's WeightDecayMode (kernels/optim.py's
+    WD_MODE). Other optimizers apply ``weight_decay`` their own single way, as FBGEMM does."""
+
+    NONE = 0
+    L2 = 1
+    DECOUPLE = 2
+
+
+# Hyper-parameters the update reads from a device tensor at run time (so update_hyper_parameters and
+# CUDA graph replays see new values): index i holds HYPER_FIELDS[i] (kernels/optim.py's H_* indices).
+# The learning rate has its own tensor (the module's learning_rate_tensor).
+HYPER_FIELDS = ("eps", "beta1", "beta2", "weight_decay", "eta", "momentum", "max_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """One optimizer state tensor: FBGEMM's buffer name, whether it holds a value per row (else one
+    per weight element, laid out like the weights) and its dtype."""
+
+    name: str  # momentum1 / momentum2 / row_counter
+    rowwise: bool
+    dtype: torch.dtype = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """What the fused update does (constexprs of the backward kernels) and which state it keeps.
+
+    ``max_norm``: row-wise Adagrad rescales each updated row to norm <= max_norm (FBGEMM applies it to
+    that optimizer only). ``rowwise_bias_correction``: Adam corrects its bias with a per-row step
+    counter instead of the global step (FBGEMM's ``use_rowwise_bias_correction``).
+    ``gradient_clipping``: the output gradient is clamped to [-max_gradient, max_gradient] first."""
+
+    optim: Optim = Optim.EXACT_SGD
+    weight_decay_mode: WeightDecay = WeightDecay.NONE
+    max_norm: bool = False
+    rowwise_bias_correction: bool = False
+    gradient_clipping: bool = False
+    max_gradient: float = 1.0
+    momentum1_dtype: torch.dtype = torch.float32
+    momentum2_dtype: torch.dtype = torch.float32
+
+    @functools.cached_property
+    def states(self) -> tuple[StateSpec, ...]:
+        """The state tensors, in FBGEMM's ``split_optimizer_states`` order."""
+        o = self.optim
+        if o == Optim.EXACT_SGD:
+            return ()
+        if o == Optim.EXACT_ROWWISE_ADAGRAD:
+            return (StateSpec("momentum1", True),)
+        if o in (Optim.EXACT_ADAGRAD, Optim.LARS_SGD):
+            return (StateSpec("momentum1", False),)
+        rowwise2 = o in (Optim.PARTIAL_ROWWISE_ADAM, Optim.PARTIAL_ROWWISE_LAMB)
+        states = (StateSpec("momentum1", False, self.momentum1_dtype),
+                  StateSpec("momentum2", rowwise2, self.momentum2_dtype))
+        if self.rowwise_bias_correction:
+            states += (StateSpec("row_counter", True),)
+        return states
+
+    @functools.cached_property
+    def state_keys(self) -> tuple[str, ...]:
+        """FBGEMM's ``get_optimizer_state`` keys of each table's states (same order as ``states``)."""
+        o = self.optim
+        if o in (Optim.EXACT_ROWWISE_ADAGRAD, Optim.EXACT_ADAGRAD):
+            return ("sum",)
+        if o == Optim.LARS_SGD:
+            # FBGEMM raises NotImplementedError here; the name torch.optim.SGD gives its momentum.
+            return ("momentum_buffer",)
+        return ("exp_avg", "exp_avg_sq", "row_counter")[: len(self.states)]
+
+    @property
+    def elementwise_state_bytes(self) -> int:
+        """Bytes of element-wise state per weight element (read and written with each updated row)."""
+        return sum(s.dtype.itemsize for s in self.states if not s.rowwise)
+
+    @property
+    def uses_step(self) -> bool:
+        """Whether the update reads the step counter (bias correction)."""
+        return self.optim in (Optim.ADAM, Optim.PARTIAL_ROWWISE_ADAM, Optim.LAMB, Optim.PARTIAL_ROWWISE_LAMB)
+
+    def constexprs(self) -> dict:
+        return dict(
+            OPTIM=int(self.optim),
+            WD_MODE=int(self.weight_decay_mode),
+            MAX_NORM=self.max_norm,
+            ROW_BIAS=self.rowwise_bias_correction,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +132,7 @@ class TBESpec:
     pooling_mean: bool
     weights_dtype: torch.dtype
     output_dtype: torch.dtype
-    optimizer: Optim
+    optimizer: OptimizerSpec
     stochastic_rounding: bool
     bounds: Bounds
     config: KernelConfig
