@@ -289,6 +289,18 @@ def local(t) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def dense(t) -> torch.Tensor:
+    """A tensor, or a ShardedTensor's local shards placed at their offsets in a zero tensor of its full
+    size (on one rank: the whole tensor, whatever the sharding)."""
+    if not isinstance(t, ShardedTensor):
+        return t
+    out = torch.zeros(t.size(), dtype=t.dtype)
+    for shard in t.local_shards():
+        index = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
+        out[index] = shard.tensor
+    return out
+
+
 def shard_layout(t) -> tuple:
     if isinstance(t, ShardedTensor):
         meta = t.metadata()

@@ -11,12 +11,20 @@
 #   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
+#   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
+#   plugin      tests/gpu/test_gpu_plugin.py: the TorchRec A/B with checkpoint interchange, every optimizer
+#   suite-opt   the backward of every optimizer against FBGEMM's with the same optimizer, --check, on the
+#               suite's shapes that fit two modules with Adam-sized state (OPT_SHAPES)
+#   tile-opt    element-wise-state optimizers with the fp16 tile table instead of the fp32 one (the
+#               default for rows carrying 4+ bytes per element), on two shapes
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
 # every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
 # warm, so the suite runs with the swept knobs (commit that file afterwards). The device copy has no
 # .git: pass TORCHREC_TRITON_TBE_GIT_COMMIT=<sha> for the suite's JSON.
 set -o pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OPT_SHAPES=${OPT_SHAPES:-fbgemm_default,b64k_uniform,b64k_zipf115,d64_zipf115,mixed_d32_256_zipf115,weighted_zipf115,fp32_zipf115}
+OPTIMIZERS=${OPTIMIZERS:-exact_adagrad,partial_rowwise_adam,lamb,partial_rowwise_lamb,lars_sgd,exact_rowwise_adagrad}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f /tmp/sm90_swept.yaml ] && cp /tmp/sm90_swept.yaml configs/sm90.yaml
 keep() { cp configs/sm90.yaml /tmp/sm90_swept.yaml; cp configs/sm90.yaml "$OUT/sm90.yaml"; }
@@ -48,6 +56,30 @@ for step in "$@"; do
     sweep-fwd128)
       python tools/sweep.py --part fwd --shapes uniform,zipf,hot --grid bag_lanes=1,2,4,8 bags_per_program=2 \
         gather=4,8 num_warps=1 --write --json "$OUT/sweep_fwd_d128.json" 2>&1 | quiet | grep -v "^fwd"; keep ;;
+    tests-core) timeout 420 python -m pytest -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_gpu_plugin.py 2>&1 \
+      | tee "$OUT/tests_gpu.txt" | tail -6 ;;
+    plugin) timeout 400 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_plugin.py 2>&1 \
+      | tee "$OUT/tests_gpu_plugin.txt" | tail -6 ;;
+    suite-opt)
+      # ADAM: FBGEMM 1.6.0's fp16 ADAM fails on long runs (tests/gpu/test_gpu_optimizers.py): run it apart,
+      # with TAG=_adam SUITE_EXTRA="--weights-precision fp32" OPTIMIZERS=adam.
+      log="$OUT/suite_opt${TAG:-}.log"; js="$OUT/h200_opt${TAG:-}.json"
+      timeout 540 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters "${ITERS:-10}" \
+        --passes bwd --only "$OPT_SHAPES" --optimizer "$OPTIMIZERS" $SUITE_EXTRA --json "$js" > "$log" 2>&1; echo "rc=$?"
+      grep -i "check\|error\|fail" "$log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -5
+      python tools/perf_table.py "$js" | tail -30 ;;
+    tile-opt)
+      python - <<'PY'
+import yaml
+cfg = yaml.safe_load(open("configs/sm90.yaml"))
+cfg["backward"]["tile_fp32"] = cfg["backward"]["tile"]
+yaml.safe_dump(cfg, open("/tmp/sm90_tile16.yaml", "w"))
+PY
+      for cfg in sm90 /tmp/sm90_tile16.yaml; do
+        TORCHREC_TRITON_TBE_CONFIG=$cfg timeout 200 python -m torchrec_triton_tbe.bench.cli --suite h200 --iters 20 \
+          --passes bwd --only b64k_zipf115,d64_zipf115 --optimizer adam,partial_rowwise_lamb \
+          --json "$OUT/tile_$(basename $cfg .yaml).json" 2>&1 | grep "Backward" | quiet
+      done ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

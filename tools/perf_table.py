@@ -3,6 +3,8 @@ ratios, and each backward's achieved traffic against a floor.
 
     python tools/perf_table.py docs/results/h200-<date>.json
 
+A backward-only JSON (--passes bwd, several --optimizer) gets the per-optimizer table instead.
+
 Backward floor (row-wise Adagrad): every lookup's gradient row read once (D * 4 B, fp32 output
 gradients), every unique row read and written once (2 * D * weight bytes) plus 8 B of state, at the
 measured device-to-device copy bandwidth. It ignores the sort, so it is a lower bound.
@@ -15,8 +17,39 @@ import sys
 WBYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
+def optimizer_table(d: dict) -> None:
+    """Backward of every optimizer in the JSON (a run with --passes bwd and several --optimizer): per shape
+    ours / FBGEMM ms and the ratio, then each optimizer's geo-mean and worst shape."""
+    keys = sorted({k for s in d["shapes"] for k in s["results"] if k.startswith("bwd_")})
+    names = [k[len("bwd_"):] for k in keys]
+    g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    env = d["environment"]
+    print(f"H200 vs FBGEMM {env['versions']['fbgemm_gpu']['version']}, backward per optimizer "
+          f"({env['date'][:10]}, {env['git_commit']}); cells: ours ms / FBGEMM ms = FBGEMM / ours")
+    print()
+    print("| shape | " + " | ".join(names) + " |")
+    print("|" + "---|" * (len(names) + 1))
+    ratios = {k: [] for k in keys}
+    for s in d["shapes"]:
+        cells = [s["name"]]
+        for k in keys:
+            x = s["results"].get(k)
+            if x is None:
+                cells.append("—")
+                continue
+            t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
+            ratios[k].append((sp, s["name"]))
+            cells.append(f"{t:.3f} / {f:.3f} = {sp:.2f}×")
+        print("| " + " | ".join(cells) + " |")
+    print("| geo-mean (worst) | " + " | ".join(
+        f"{g([r for r, _ in ratios[k]]):.2f}× ({min(ratios[k])[0]:.2f}× {min(ratios[k])[1]})" for k in keys) + " |")
+
+
 def main(path: str) -> None:
     d = json.load(open(path))
+    if not any("fwd" in s["results"] for s in d["shapes"]):
+        optimizer_table(d)
+        return
     env = d["environment"]
     copy_gbps = d["copy_bandwidth"]["gbps"]
     fwd, bwd, worst = [], [], (math.inf, "")

@@ -1,5 +1,5 @@
 """Backward CUDA graphs (ops/graphs.py) on the GPU: replays are bit-identical to the eager backward
-(batches of varying size, learning-rate and step changes between replays, stochastic rounding,
+(batches of varying size, learning-rate, hyper-parameter and step changes between replays, stochastic rounding,
 per-sample weights with their gradient, eviction), and capture and replay never sync the host."""
 
 import pytest
@@ -40,7 +40,8 @@ def two_modules(optimizer, graph_cache=8):
     return graphed, eager
 
 
-@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM,
+                                       EmbOptimType.PARTIAL_ROWWISE_LAMB])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
     graphed, eager = two_modules(optimizer, graph_cache=2)
@@ -61,7 +62,8 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
                 m.set_learning_rate(0.01)  # device-resident: replays read it
         if step == 6:
             for m in (graphed, eager):
-                m.set_optimizer_step(100)  # stochastic rounding draws from the step counter
+                m.set_optimizer_step(100)  # stochastic rounding (and bias correction) read the step counter
+                m.update_hyper_parameters({"eps": 0.05, "beta1": 0.8})  # device-resident too
     torch.cuda.synchronize()
     g = graphed._backward_graphs
     assert g.captures >= 2 and g.replays >= 3, (g.captures, g.replays)
@@ -69,6 +71,7 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
     assert eager._backward_graphs.captures == 0
     assert torch.equal(graphed.weights, eager.weights)
     assert torch.equal(graphed.momentum1, eager.momentum1)
+    assert torch.equal(graphed.momentum2, eager.momentum2)
     assert torch.equal(graphed.iter, eager.iter)
 
 

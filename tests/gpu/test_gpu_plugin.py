@@ -1,0 +1,22 @@
+"""TorchRec on the GPU (needs torchrec and FBGEMM's CUDA TBE: ../shared/tools/stage-fbgemm-gpu): for
+every optimizer, the DLRM A/B of torchrec_triton_tbe.torchrec_demo trains the same plan on ``fused``
+and on our kernel to the same losses, weights and fused-optimizer state, with the checkpoint
+interchanged both ways (fused -> ours before the first step, ours -> fused after the last; exact), on
+table-wise and a second sharding type per optimizer (all four types covered)."""
+
+import pytest
+
+pytest.importorskip("torchrec", reason="TorchRec is not installed on this GPU machine (stage it first)")
+
+from torchrec_triton_tbe import torchrec_demo  # noqa: E402
+from torchrec_triton_tbe.demo import OPTIMIZERS  # noqa: E402
+
+OTHER = ("row_wise", "column_wise", "table_row_wise")
+CASES = [(opt, sharding) for i, opt in enumerate(sorted(OPTIMIZERS)) for sharding in ("table_wise", OTHER[i % 3])]
+
+
+@pytest.mark.parametrize("optimizer,sharding", CASES, ids=[f"{o}-{s}" for o, s in CASES])
+def test_demo_matches_fused_with_checkpoint_interchange(optimizer, sharding):
+    argv = ["--optimizer", optimizer, "--sharding", sharding, "--steps", "4", "--batch-size", "2048",
+            "--num-embeddings", "50000", "--embedding-dim", "64", "--learning-rate", "0.01"]
+    assert torchrec_demo.main(argv) == 0
