@@ -192,6 +192,38 @@ def test_rows_not_looked_up_keep_weights_and_state():
 
 
 # ---------------------------------------------------------------------------------------------- keywords
+# FBGEMM 1.6.0's SplitTableBatchedEmbeddingBagsCodegen.__init__ keywords (its source at tag v1.6.0; the
+# CPU test environment has 1.9.0, whose keywords are read from the installed class).
+FBGEMM_1_6_KEYWORDS = (
+    "embedding_specs feature_table_map cache_algorithm cache_load_factor cache_sets cache_reserved_memory "
+    "cache_precision weights_precision output_dtype enforce_hbm optimizer record_cache_metrics "
+    "gather_uvm_cache_stats stochastic_rounding gradient_clipping max_gradient max_norm learning_rate eps momentum "
+    "weight_decay weight_decay_mode eta beta1 beta2 ensemble_mode emainplace_mode counter_based_regularization "
+    "cowclip_regularization pooling_mode device bounds_check_mode uvm_non_rowwise_momentum use_experimental_tbe "
+    "prefetch_pipeline stats_reporter_config table_names optimizer_state_dtypes multipass_prefetch_config "
+    "global_weight_decay uvm_host_mapped extra_optimizer_config tbe_input_multiplexer_config "
+    "embedding_table_index_type embedding_table_offset_type embedding_shard_info enable_raw_embedding_streaming "
+    "res_params"
+).split()
+
+
+def test_every_fbgemm_keyword_has_exactly_one_policy():
+    """Each keyword of FBGEMM 1.6.0's and 1.9.0's constructor is accepted by TritonTBE and is, in compat.py,
+    used, an optimizer keyword, ignored (changes nothing here) or rejected when not at its default."""
+    import inspect
+
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from torchrec_triton_tbe import compat
+
+    v19 = [n for n in inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters if n != "self"]
+    ours = inspect.signature(TritonTBE.__init__).parameters
+    groups = [compat.USED, compat.OPTIMIZER_KEYWORDS, compat.IGNORED, list(compat.UNSUPPORTED)]
+    for name in sorted(set(v19) | set(FBGEMM_1_6_KEYWORDS)):
+        assert name in ours, name
+        assert sum(name in g for g in groups) == 1, (name, [name in g for g in groups])
+    assert set(FBGEMM_1_6_KEYWORDS) <= set(v19)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -35,6 +35,17 @@ OPTIMIZERS = {
     EmbOptimType.LARS_SGD: Optim.LARS_SGD,
 }
 
+# What the module computes with (the optimizer's keywords are read by optimizer_spec below).
+USED = (
+    "embedding_specs feature_table_map weights_precision output_dtype stochastic_rounding pooling_mode device "
+    "bounds_check_mode table_names embedding_table_index_type embedding_table_offset_type cache_precision"
+).split()
+OPTIMIZER_KEYWORDS = (
+    "optimizer learning_rate eps momentum weight_decay weight_decay_mode eta beta1 beta2 gradient_clipping "
+    "max_gradient max_norm counter_based_regularization cowclip_regularization global_weight_decay "
+    "optimizer_state_dtypes extra_optimizer_config"
+).split()
+
 # Keyword -> FBGEMM default: any other value would change results and is not implemented.
 UNSUPPORTED = {
     # Streams updated rows to a remote store: a side effect this module does not have.

@@ -149,7 +149,13 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
     per_table = [_compare(a, b, *w_tol) for a, b in zip(ours.split_embedding_weights(), ref.split_embedding_weights())]
     result["weights_after_backward"] = _merge(per_table)
     s_tol = (1e-6, 1e-3) if case.output_dtype == "fp32" else (1e-4, 1e-2)
-    states = [_compare(a, b, *s_tol) for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
+    # State after one step is a function of each gradient sum, which for a hot row of ~10^4 lookups can
+    # cancel down to far below its terms: its fp32 error (summation order) is relative to the terms, not
+    # to the sum. So the absolute tolerance scales with the tensor's largest value (H200, 2026-12-01:
+    # Adagrad / Adam / LAMB states were off in 4-19 of 2-8 billion elements with a fixed 1e-6, weights
+    # all within theirs).
+    states = [_compare(a, b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
+              for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
               for a, b in zip(mine, theirs)]
     if states:
         result["state_after_backward"] = _merge(states)
