@@ -131,6 +131,7 @@ def make_pair(
             ours.split_embedding_weights(),
             ftm,
             mean=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.MEAN,
+            nobag=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.NONE,
             optimizer=ours.spec.optimizer,
             output_dtype=DTYPE[kwargs.get("output_dtype", SparseType.FP32)],
             **hyper,

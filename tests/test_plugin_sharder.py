@@ -10,7 +10,11 @@ import torch
 
 import plugin_cases as pc
 from plugin_cases import EmbOptimType, TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
-from torchrec_triton_tbe.plugin import TritonTBEEmbeddingBag, TritonTBEParameterSharding
+from torchrec_triton_tbe.plugin import (
+    TritonTBEEmbeddingBag,
+    TritonTBEEmbeddingCollectionSharder,
+    TritonTBEParameterSharding,
+)
 from torchrec_triton_tbe.plugin.options import HOIST_TRANSPOSE_KEY
 
 import torchrec
@@ -190,13 +194,16 @@ def _model_with_sequence():
     return model
 
 
-def test_sequence_embeddings_refused_at_plan_time():
-    with pytest.raises(NotImplementedError, match="EmbeddingCollection"):
+def test_planner_picks_our_kernel_for_constrained_sequence_tables():
+    """With the sequence sharder in the list, the planner plans a constrained EmbeddingCollection table on
+    customized_kernel (and the pooled sharder refuses a sequence module, pointing to it)."""
+    with pytest.raises(TypeError, match="TritonTBEEmbeddingCollectionSharder"):
         TritonTBESharder().shardable_parameters(_model_with_sequence().ec)
-    # The planner offers customized_kernel only through our (pooled) sharder: asking it for a sequence
-    # table fails while planning, naming the table and the sequence sharder.
     planner = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu"), constraints=_constraints(s0={}))
-    with pytest.raises(RuntimeError, match="s0.*EmbeddingCollectionSharder"):
+    plan = planner.plan(_model_with_sequence(), [TritonTBESharder(), TritonTBEEmbeddingCollectionSharder()])
+    assert plan.plan["ec"]["s0"].compute_kernel == CUSTOMIZED
+    # Without our sequence sharder nothing offers customized_kernel for the table: planning fails on it.
+    with pytest.raises(RuntimeError, match="s0"):
         planner.plan(_model_with_sequence(), [TritonTBESharder(), EmbeddingCollectionSharder()])
 
 

@@ -6,7 +6,8 @@ How the specializations are found: the module itself is driven (forward + backwa
 over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, EXACT_SGD
 and EXACT_ROWWISE_ADAGRAD, stochastic rounding, every bounds-check mode with and without the fused check, the
 transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 to 2048 with and
-without padding; then every other optimizer variant (``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
+without padding; then sequence (NONE) modules of each width, and every other optimizer variant
+(``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
 ``JITFunction.run`` is replaced by a recorder. Each launch yields one specialization: kernel,
 argument types, constexpr values and num_warps (what Triton compiles on).
 
@@ -169,6 +170,14 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                             m(long_indices.clone(), long_offsets.clone(), long_psw)
                     except ValueError:
                         continue  # as above
+            # Sequence lookups (PoolingMode.NONE: one D per module), each width of the layout.
+            for v, (wp, d) in enumerate(itertools.product(dtypes, sorted({d for _, d in layout}))):
+                m = TritonTBE([(7, d)] * T, weights_precision=wp, output_dtype=dtypes[v % 3], device="cpu",
+                              pooling_mode=PoolingMode.NONE, optimizer=optims[v % 2],
+                              embedding_table_index_type=[torch.int64, torch.int32][v % 2],
+                              kernel_config=long_paths[v % len(long_paths)])
+                out = m(indices.clone(), offsets.clone())
+                out.backward(torch.ones_like(out))
             # Every other optimizer variant (the update's constexprs), with each weights precision.
             for v, (wp, (opt, extra)) in enumerate(itertools.product(dtypes, optimizer_variants())):
                 m = TritonTBE(layout, weights_precision=wp, optimizer=opt, stochastic_rounding=v % 2 == 0,

@@ -46,9 +46,12 @@ class TBEFunction(torch.autograd.Function):
         call: LookupCall,
     ) -> torch.Tensor:
         spec = call.spec
-        out = fwd_ops.pooled_forward(
-            spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning
-        )
+        if spec.nobag:
+            out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B)
+        else:
+            out = fwd_ops.pooled_forward(
+                spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning
+            )
         # Hoisted transpose: sort + run-length encode now (forward is often off the critical path
         # of the backward's communication), carried to backward on ctx.
         ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B) if spec.hoist_transpose else None

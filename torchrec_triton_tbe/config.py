@@ -66,6 +66,9 @@ class ForwardConfig:
     # bag_lanes). On the H200 two lanes at BLOCK_D=128 were 1.4x faster with fp16 weights and 1.4x
     # slower with fp32 ones (docs/performance.md).
     bag_lanes_fp32: Optional[KnobTable] = None
+    # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
+    sequence_block: int = 16
+    sequence_warps: int = 4
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
@@ -174,6 +177,8 @@ class KernelConfig:
                 bag_lanes=KnobTable.parse(f.get("bag_lanes", 1), "forward.bag_lanes"),
                 bag_lanes_fp32=(KnobTable.parse(f["bag_lanes_fp32"], "forward.bag_lanes_fp32")
                                 if "bag_lanes_fp32" in f else None),
+                sequence_block=int(f.get("sequence_block", 16)),
+                sequence_warps=int(f.get("sequence_warps", 4)),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -221,6 +226,8 @@ class KernelConfig:
                 if not pow2(v):
                     problems.append(f"{name} values must be powers of two, got {v}")
         for name, v in [
+            ("forward.sequence_block", self.forward.sequence_block),
+            ("forward.sequence_warps", self.forward.sequence_warps),
             ("transpose.bags_per_program", self.transpose.bags_per_program),
             ("transpose.lookups_per_step", self.transpose.lookups_per_step),
             ("transpose.num_warps", self.transpose.num_warps),

@@ -38,7 +38,7 @@ from torchrec_triton_tbe.plan import PlanTensors, TablePlan
 logger = logging.getLogger(__name__)
 
 _DTYPES = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
-_POOLING = {PoolingMode.SUM: False, PoolingMode.MEAN: True}
+_POOLING = (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE)
 # The buffers a backward updates or reads, in OptimizerTensors' field order.
 _STATE_BUFFERS = ("weights", "momentum1", "momentum2", "row_counter", "learning_rate_tensor", "optimizer_hyper",
                   "iter")
@@ -131,7 +131,9 @@ class TritonTBE(nn.Module):
         optim_spec, hyper = compat.optimizer_spec(given)
         pooling_mode = PoolingMode(pooling_mode)
         if pooling_mode not in _POOLING:
-            raise NotImplementedError(f"TritonTBE: pooling_mode={pooling_mode.name} is not supported; use SUM or MEAN")
+            raise NotImplementedError(
+                f"TritonTBE: pooling_mode={pooling_mode.name} is not supported; use SUM, MEAN or NONE"
+            )
         for name, sparse_type in (("weights_precision", weights_precision), ("output_dtype", output_dtype)):
             if sparse_type not in _DTYPES:
                 raise NotImplementedError(f"TritonTBE: {name}={sparse_type} is not supported; use FP32, FP16 or BF16")
@@ -154,6 +156,10 @@ class TritonTBE(nn.Module):
             for s in specs
         ]
         plan = TablePlan.build([s[:2] for s in specs], feature_table_map, table_names)
+        if pooling_mode == PoolingMode.NONE and len(set(plan.dims)) > 1:
+            # FBGEMM asserts the same ("Mixed dimension tables only supported for pooling tables"): a
+            # sequence output has one row width.
+            raise ValueError(f"TritonTBE: pooling_mode=NONE needs one embedding dim for every table, got {plan.dims}")
         self.feature_table_map = list(plan.feature_table_map)
         self.table_names = table_names
         self.optimizer = optimizer
@@ -204,7 +210,8 @@ class TritonTBE(nn.Module):
         self._spec = TBESpec(
             plan=plan,
             tensors=PlanTensors.build(plan, dev),
-            pooling_mean=_POOLING[pooling_mode],
+            pooling_mean=pooling_mode == PoolingMode.MEAN,
+            nobag=pooling_mode == PoolingMode.NONE,
             weights_dtype=wdtype,
             output_dtype=self.output_dtype,
             optimizer=optim_spec,
@@ -276,7 +283,7 @@ class TritonTBE(nn.Module):
         bufs = self._buffers
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_repair_flag"],
-            ids=not spec.fused_bounds_check,
+            ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)
         return TBEFunction.apply(

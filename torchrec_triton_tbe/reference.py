@@ -5,7 +5,8 @@ readable statement of the semantics.
 
 Semantics (FBGEMM's): bag (t, b) = ids[offsets[t*B+b] : offsets[t*B+b+1]] of table feature_table_map[t];
 SUM pools sum_i psw_i * W[id_i]; MEAN divides that by the bag length; an empty bag pools to zero and
-passes no gradient. Training applies one optimizer step to every row the batch looked up, with g the
+passes no gradient. NONE (sequence) does not pool: output row p is W[id_p] of its feature's table,
+[N, D], and row p's gradient goes to that row alone. Training applies one optimizer step to every row the batch looked up, with g the
 row's gradient summed over every lookup of the batch (FBGEMM's "EXACT" optimizers); rows not looked
 up keep their weights and state. The update rules below follow fbgemm_gpu/codegen/genscript/
 optimizers.py line by line (fp32 arithmetic; t is the step count, from 1):
@@ -67,6 +68,26 @@ def pooled_lookup(
     return torch.cat(outs, dim=1)
 
 
+def sequence_lookup(
+    tables: Sequence[torch.Tensor],
+    feature_table_map: Sequence[int],
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """PoolingMode.NONE: [N, D], row p = the row lookup p names (zero for lookups outside every bag)."""
+    T = len(feature_table_map)
+    B = (offsets.numel() - 1) // T
+    offsets = offsets.long()
+    D = tables[0].shape[1]
+    like = dict(dtype=tables[0].dtype, device=tables[0].device)
+    pieces = [torch.zeros(int(offsets[0]), D, **like)]
+    for t, k in enumerate(feature_table_map):
+        lo, hi = int(offsets[t * B]), int(offsets[(t + 1) * B])
+        pieces.append(tables[k].index_select(0, indices[lo:hi].long()))
+    pieces.append(torch.zeros(indices.numel() - int(offsets[-1]), D, **like))
+    return torch.cat(pieces)
+
+
 def _row_norm(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2).sum(1).sqrt()
 
@@ -94,6 +115,7 @@ class ReferenceTBE:
         eta: float = 0.001,
         momentum: float = 0.9,
         max_norm: float = 0.0,
+        nobag: bool = False,
     ) -> None:
         self.spec = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optim=Optim(optimizer))
         self.optimizer = self.spec.optim
@@ -105,6 +127,7 @@ class ReferenceTBE:
         ]
         self.feature_table_map = list(feature_table_map)
         self.mean = mean
+        self.nobag = nobag  # PoolingMode.NONE (sequence_lookup)
         self.lr = learning_rate
         self.eps = eps
         self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
@@ -122,6 +145,8 @@ class ReferenceTBE:
     def forward(self, indices, offsets, per_sample_weights=None) -> torch.Tensor:
         self._leaves = [t.double().requires_grad_(True) for t in self.tables]
         self._touched = self._rows_looked_up(indices, offsets)
+        if self.nobag:
+            return sequence_lookup(self._leaves, self.feature_table_map, indices, offsets)
         psw = None if per_sample_weights is None else per_sample_weights.double()
         out = pooled_lookup(self._leaves, self.feature_table_map, indices, offsets, self.mean, psw)
         return out

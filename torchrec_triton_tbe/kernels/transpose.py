@@ -29,6 +29,7 @@ def _linearize_kernel(
     bag_shift,
     BLOCK_BAGS: tl.constexpr,
     STEP: tl.constexpr,
+    NOBAG: tl.constexpr,
 ):
     """
     Grid: [cdiv(B, BLOCK_BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
@@ -36,6 +37,11 @@ def _linearize_kernel(
     merge into one run) and bag id (t << bag_shift) | b (B <= 2**bag_shift: the backward splits it
     with a shift and a mask, not a division). A program walks BLOCK_BAGS bags side by side, STEP
     lookups of each per step, so consecutive lanes read consecutive ids.
+
+    NOBAG (PoolingMode.NONE): every lookup is its own output row, so its "bag" id is
+    (t << bag_shift) | (p - offsets[t*B]), its position within its feature (N <= 2**bag_shift): the
+    backward then finds its gradient row exactly as a pooled bag's, with the feature's first position
+    as the column offset (ops/backward.py).
 
     indices_ptr: [N] int32/int64 ids; offsets_ptr: [T*B + 1].
     feature_key_offset_ptr: [T] int64.
@@ -50,14 +56,18 @@ def _linearize_kernel(
     end = tl.load(offsets_ptr + bag + 1, mask=bmask, other=0).to(tl.int64)
     n = tl.where(bmask, end - start, 0)
     key0 = tl.load(feature_key_offset_ptr + t)
+    first = tl.load(offsets_ptr + t.to(tl.int64) * B).to(tl.int64)
     steps = tl.arange(0, STEP)
     for j in range(0, tl.max(n, axis=0), STEP):
         m = (j + steps)[None, :] < n[:, None]
         p = start[:, None] + j + steps[None, :]
         idx = tl.load(indices_ptr + p, mask=m, other=0).to(tl.int64)
         tl.store(keys_ptr + p, (key0 + idx).to(keys_ptr.dtype.element_ty), mask=m)
-        code = (t.to(tl.int64) << bag_shift) | b
-        tl.store(bags_ptr + p, (code[:, None] + 0 * p).to(bags_ptr.dtype.element_ty), mask=m)
+        if NOBAG:
+            code = (t.to(tl.int64) << bag_shift) | (p - first)
+        else:
+            code = ((t.to(tl.int64) << bag_shift) | b)[:, None] + 0 * p
+        tl.store(bags_ptr + p, code.to(bags_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

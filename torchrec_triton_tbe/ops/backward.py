@@ -122,6 +122,18 @@ def psw_grad(
     return grad
 
 
+def grad_rows(spec: TBESpec, offsets: torch.Tensor, B: int) -> tuple[torch.Tensor, int]:
+    """Where the gradient row of bag (t, b) starts in the output gradient: b * stride + column[t].
+    Pooled: [B, total_D], column = the feature's output offset. Sequence (nobag): [N, D], and a lookup's
+    bag id holds its position within its feature (kernels/transpose.py), so column = the feature's first
+    position * D, read from the offsets on the device (no sync; inside a captured graph it reads the
+    static offsets)."""
+    if not spec.nobag:
+        return spec.tensors.feature_out_offset, spec.plan.total_D
+    D = spec.plan.max_D
+    return offsets[: spec.plan.num_features * B : B].to(torch.int64) * D, D
+
+
 def fused_update(
     spec: TBESpec,
     state: OptimizerTensors,
@@ -137,6 +149,7 @@ def fused_update(
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
     device = grad_out.device
     weighted = per_sample_weights is not None
+    out_offset, grad_stride = grad_rows(spec, offsets, B)
     # Per-sample weights in sorted order (fp32), so the kernels read them coalesced.
     sorted_psw = per_sample_weights.float()[runs.perm] if weighted else grad_out
     partial_stride = max(b.block_d for b in plan.buckets)
@@ -159,7 +172,7 @@ def fused_update(
         warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
         update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
         layout = (
-            tensors.feature_out_offset,
+            out_offset,
             tensors.feature_key_offset,
             tensors.feature_weight_offset,
             tensors.feature_row_offset,
@@ -186,7 +199,7 @@ def fused_update(
                 k,
                 B,
                 runs.bag_shift,
-                plan.total_D,
+                grad_stride,
                 runs.threshold,
             ),
             dict(**modes, **update, **common),
@@ -211,7 +224,7 @@ def fused_update(
                     k,
                     B,
                     runs.bag_shift,
-                    plan.total_D,
+                    grad_stride,
                     runs.chunk,
                     partial_stride,
                 ),
@@ -230,12 +243,12 @@ def fused_update(
                 sorted_psw,
                 offsets,
                 *chunk_tables,
-                tensors.feature_out_offset,
+                out_offset,
                 tensors.feature_dim,
                 k,
                 B,
                 runs.bag_shift,
-                plan.total_D,
+                grad_stride,
                 runs.chunk,
                 partial_stride,
             ),

@@ -61,6 +61,9 @@ def validate_shapes(
             f"(table-major: offsets[t*B+b] starts bag b of feature t)"
         )
     if per_sample_weights is not None:
+        if spec.nobag:
+            # FBGEMM has no weighted sequence kernel either: nothing would pool the weighted rows.
+            raise ValueError("per_sample_weights are not supported with pooling_mode=NONE (no pooling to weight)")
         if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.dtype not in FLOAT_DTYPES:
             got = getattr(per_sample_weights, "dtype", type(per_sample_weights).__name__)
             raise TypeError(f"per_sample_weights must be a float32/float16/bfloat16 tensor, got {got}")

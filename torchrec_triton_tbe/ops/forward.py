@@ -1,4 +1,5 @@
-"""Launch the pooled forward: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]."""
+"""Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k].
+Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence_block)]."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
+from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
@@ -67,6 +69,26 @@ def pooled_forward(
             constexprs,
             warps,
         )
+    return out
+
+
+def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                     B: int) -> torch.Tensor:
+    """[N, D]: every lookup's row (ids already checked / repaired by the bounds-check mode)."""
+    plan, cfg = spec.plan, spec.config.forward
+    N, D = indices.numel(), plan.max_D
+    out = torch.empty(N, D, dtype=spec.output_dtype, device=weights.device)
+    if N == 0:
+        return out
+    bd = plan.buckets[0].block_d
+    launch(
+        _sequence_forward_kernel,
+        (cdiv(N, cfg.sequence_block),),
+        (weights, indices, offsets, out, spec.tensors.feature_weight_offset, N, B, plan.num_features, D),
+        dict(SEARCH_STEPS=(plan.num_features + 1).bit_length(), EVEN_D=spec.bucket_even_d[0],
+             ALIGN=spec.bucket_align[0], BLOCK_D=bd, BLOCK_P=cfg.sequence_block),
+        tile_warps(cfg.sequence_warps, cfg.sequence_block * bd),
+    )
     return out
 
 

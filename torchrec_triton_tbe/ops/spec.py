@@ -138,6 +138,7 @@ class TBESpec:
     config: KernelConfig
     fused_bounds_check: bool = False  # repair ids inside the forward kernel (WARNING / IGNORE)
     hoist_transpose: bool = False  # sort + run-length encode in forward, carried to backward
+    nobag: bool = False  # PoolingMode.NONE: one output row per lookup ([N, D], every table of one D)
 
     @functools.cached_property
     def bucket_align(self) -> tuple[int, ...]:

@@ -79,7 +79,8 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     N = indices.numel()
     plan, cfg = spec.plan, spec.config.transpose
     keys = torch.full((N,), plan.sentinel_key, dtype=plan.key_dtype, device=indices.device)
-    bag_shift, bag_dtype = bag_code(plan.num_features, B)
+    # Pooled: b < B; sequence (nobag): a lookup's position within its feature, < N.
+    bag_shift, bag_dtype = bag_code(plan.num_features, N if spec.nobag else B)
     bags = torch.empty(N, dtype=bag_dtype, device=indices.device)
     if N and B:
         block_bags, step = linearize_tile(cfg.bags_per_program, cfg.lookups_per_step, N, B * plan.num_features)
@@ -87,7 +88,7 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
             _linearize_kernel,
             (cdiv(B, block_bags), plan.num_features),
             (indices, offsets, spec.tensors.feature_key_offset, keys, bags, B, bag_shift),
-            dict(BLOCK_BAGS=block_bags, STEP=step),
+            dict(BLOCK_BAGS=block_bags, STEP=step, NOBAG=spec.nobag),
             cfg.num_warps,
         )
     return keys, bags, bag_shift

@@ -9,26 +9,32 @@ whose plan entry does not ask for ``customized_kernel`` with ``customized_comput
 
 # First: on a machine without CUDA, a wrong import order fails here (torchrec_triton_tbe._env), with the fix.
 from torchrec_triton_tbe import _env  # noqa: F401
-from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbeddingBag
+from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbedding, TritonTBEEmbeddingBag
 from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
 from torchrec_triton_tbe.plugin.sharder import (
+    TritonTBEEmbeddingCollectionSharder,
     TritonTBEParameterSharding,
     TritonTBESharder,
     TritonTBEShardedEmbeddingBagCollection,
+    TritonTBEShardedEmbeddingCollection,
     install_planner_support,
     use_fused,
     use_triton_tbe,
 )
-from torchrec_triton_tbe.plugin.sharding import SUPPORTED_SHARDING_TYPES, install
+from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES, install
 
 __all__ = [
     "MARKER",
+    "SEQUENCE_SHARDING_TYPES",
     "SUPPORTED_SHARDING_TYPES",
+    "TritonTBEEmbedding",
     "TritonTBEEmbeddingBag",
+    "TritonTBEEmbeddingCollectionSharder",
     "TritonTBEOptions",
     "TritonTBEParameterSharding",
     "TritonTBESharder",
     "TritonTBEShardedEmbeddingBagCollection",
+    "TritonTBEShardedEmbeddingCollection",
     "install",
     "install_planner_support",
     "use_fused",

@@ -1,4 +1,5 @@
-"""The TorchRec compute kernel backed by ``TritonTBE``: one instance per grouped table config.
+"""The TorchRec compute kernels backed by ``TritonTBE``: one instance per grouped table config, pooled
+(``EmbeddingBagCollection``) or sequence (``EmbeddingCollection``).
 
 Mirrors TorchRec's ``BatchedFusedEmbeddingBag`` (the ``fused`` kernel) member for member where TorchRec
 looks: the same constructor arguments reach the module, ``state_dict`` keys are ``<table>.weight``,
@@ -14,7 +15,11 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag, EmbeddingFusedOptimizer
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingEnv, ShardingType
@@ -22,48 +27,43 @@ from torchrec.modules.embedding_configs import data_type_to_sparse_type
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_triton_tbe._fbgemm import PoolingMode
 from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.plugin.options import TritonTBEOptions
 
 
-class TritonTBEEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
-    """Pooled lookup + fused optimizer for the tables of one group, on ``TritonTBE``.
+def _build_module(kernel, config: GroupedEmbeddingConfig, device, pg, pooling_mode) -> None:
+    """What both kernel classes do after TorchRec's base __init__ (which reads the index / offset dtypes
+    and, pooled, the pooling from config; it never mutates config.fused_params): our options out of the
+    fused_params, the module on the group's tables, TorchRec's own fused optimizer over it, init."""
+    fused_params = dict(config.fused_params or {})  # a copy: TorchRec keeps using the original
+    kernel.options = TritonTBEOptions.pop_from(fused_params)
+    kernel._emb_module = TritonTBE(
+        list(zip(kernel._local_rows, kernel._local_cols)),
+        feature_table_map=kernel._feature_table_map,
+        pooling_mode=pooling_mode,
+        weights_precision=data_type_to_sparse_type(config.data_type),
+        device=device,
+        table_names=[t.name for t in config.embedding_tables],
+        embedding_shard_info=list(
+            zip(kernel._num_embeddings, kernel._embedding_dims, kernel._row_offset, kernel._col_offset)
+        ),
+        kernel_config=kernel.options.kernel_config,
+        fused_bounds_check=kernel.options.fused_bounds_check,
+        hoist_transpose=kernel.options.hoist_transpose,
+        **fused_params,
+    )
+    kernel._optim = EmbeddingFusedOptimizer(config, kernel._emb_module, pg)
+    kernel.init_parameters()
 
-    Takes the arguments of TorchRec's ``BatchedFusedEmbeddingBag`` (``env`` is accepted and unused, as
-    there); plan options arrive in ``config.fused_params`` (see ``options``)."""
 
-    def __init__(
-        self,
-        config: GroupedEmbeddingConfig,
-        pg: Optional[dist.ProcessGroup] = None,
-        device: Optional[torch.device] = None,
-        sharding_type: Optional[ShardingType] = None,
-        env: Optional[ShardingEnv] = None,
-    ) -> None:
-        # The base class reads the index/offset dtypes and pooling (MEAN becomes SUM for RW/TWRW, the
-        # sharded collection divides later) from config; it never mutates config.fused_params.
-        super().__init__(config, pg, device, sharding_type)
-        fused_params = dict(config.fused_params or {})  # a copy: TorchRec keeps using the original
-        self.options: TritonTBEOptions = TritonTBEOptions.pop_from(fused_params)
-        self._emb_module = TritonTBE(
-            list(zip(self._local_rows, self._local_cols)),
-            feature_table_map=self._feature_table_map,
-            pooling_mode=self._pooling,
-            weights_precision=data_type_to_sparse_type(config.data_type),
-            device=device,
-            table_names=[t.name for t in config.embedding_tables],
-            embedding_shard_info=list(
-                zip(self._num_embeddings, self._embedding_dims, self._row_offset, self._col_offset)
-            ),
-            kernel_config=self.options.kernel_config,
-            fused_bounds_check=self.options.fused_bounds_check,
-            hoist_transpose=self.options.hoist_transpose,
-            **fused_params,
-        )
-        self._optim = EmbeddingFusedOptimizer(config, self._emb_module, pg)
-        self.init_parameters()
+class _TritonTBEKernel(FusedOptimizerModule):
+    """What TorchRec reads from a fused kernel, shared by the pooled and the sequence class: the module,
+    its fused optimizer, storage-sharing per-table slices, parameters marked as optimized in backward."""
 
-    # ------------------------------------------------------------------ what TorchRec calls
+    options: TritonTBEOptions
+    _emb_module: TritonTBE
+
     @property
     def emb_module(self) -> TritonTBE:  # type: ignore[override]
         return self._emb_module
@@ -80,31 +80,13 @@ class TritonTBEEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
 
     @_param_per_table.setter
     def _param_per_table(self, value: Dict[str, TableBatchedEmbeddingSlice]) -> None:
-        # BaseBatchedEmbeddingBag.__init__ assigns an empty dict; the property above supersedes it.
+        # The base classes' __init__ assign an empty dict; the property above supersedes it.
         pass
 
-    def forward(
-        self,
-        features: KeyedJaggedTensor,
-        vbe_output: Optional[torch.Tensor] = None,
-        vbe_output_offsets: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        # TorchRec's base forward only forwards VBE metadata to FBGEMM's own classes; any other
-        # module would silently pool a variable batch as a fixed one. Refuse instead.
-        if features.variable_stride_per_key() or vbe_output is not None or vbe_output_offsets is not None:
-            raise NotImplementedError(
-                "Triton TBE kernel: variable batch size per feature (VBE) KeyedJaggedTensors are not supported yet; "
-                "use compute_kernel='fused' for these tables"
-            )
-        weights = features.weights_or_none()
-        if weights is not None and not torch.is_floating_point(weights):
-            weights = None
+    def _ids(self, features: KeyedJaggedTensor) -> tuple:
         # .to() is a no-op when the KJT already holds the plan's dtype: int32 ids arrive untouched.
-        return self._emb_module(
-            indices=features.values().to(self._embedding_table_index_type),
-            offsets=features.offsets().to(self._embedding_table_offset_type),
-            per_sample_weights=weights,
-        )
+        return (features.values().to(self._embedding_table_index_type),
+                features.offsets().to(self._embedding_table_offset_type))
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -167,3 +149,61 @@ class TritonTBEEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimize
     def extra_repr(self) -> str:
         return f"tables={[t.name for t in self._config.embedding_tables]}, options={self.options}"
 
+
+
+class TritonTBEEmbeddingBag(_TritonTBEKernel, BaseBatchedEmbeddingBag[torch.Tensor]):
+    """Pooled lookup + fused optimizer for the tables of one group, on ``TritonTBE``.
+
+    Takes the arguments of TorchRec's ``BatchedFusedEmbeddingBag`` (``env`` is accepted and unused, as
+    there); plan options arrive in ``config.fused_params`` (see ``options``)."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        sharding_type: Optional[ShardingType] = None,
+        env: Optional[ShardingEnv] = None,
+    ) -> None:
+        # MEAN becomes SUM for RW / TWRW in the base class: the sharded collection divides later.
+        BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        _build_module(self, config, device, pg, self._pooling)
+
+    def forward(
+        self,
+        features: KeyedJaggedTensor,
+        vbe_output: Optional[torch.Tensor] = None,
+        vbe_output_offsets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        # TorchRec's base forward passes VBE metadata to FBGEMM's own classes only (any other module
+        # would pool a variable batch as a fixed one): ours gets it here, as FBGEMM's does there.
+        weights = features.weights_or_none()
+        if weights is not None and not torch.is_floating_point(weights):
+            weights = None
+        indices, offsets = self._ids(features)
+        vbe = {}
+        if features.variable_stride_per_key():
+            vbe = dict(batch_size_per_feature_per_rank=features.stride_per_key_per_rank(),
+                       vbe_output=vbe_output, vbe_output_offsets=vbe_output_offsets)
+        elif vbe_output is not None or vbe_output_offsets is not None:
+            raise ValueError("Triton TBE kernel: vbe_output / vbe_output_offsets given for a fixed-batch KJT")
+        return self._emb_module(indices=indices, offsets=offsets, per_sample_weights=weights, **vbe)
+
+
+class TritonTBEEmbedding(_TritonTBEKernel, BaseBatchedEmbedding[torch.Tensor]):
+    """Sequence lookup (``EmbeddingCollection``: one output row per id, ``[sum(lengths), D]``) + fused
+    optimizer, on ``TritonTBE`` with ``PoolingMode.NONE``. Takes the arguments of TorchRec's
+    ``BatchedFusedEmbedding``; TorchRec pads variable-batch KJTs before the lookup (sequence VBE)."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        BaseBatchedEmbedding.__init__(self, config, pg, device)
+        _build_module(self, config, device, pg, PoolingMode.NONE)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        indices, offsets = self._ids(features)
+        return self._emb_module(indices=indices, offsets=offsets)

@@ -5,9 +5,10 @@ rewriting for A/B runs against ``fused``, and the planner set-up.
   marker ``customized_compute_kernel="triton_tbe"`` and our options as fields; TorchRec passes them to
   the kernel through ``get_additional_fused_params()``. ``bounds_check_mode`` is TorchRec's own field.
 * ``use_triton_tbe(plan, ...)`` / ``use_fused(plan, ...)``: the same plan with the kernel switched.
-* ``TritonTBESharder``: an ``EmbeddingBagCollectionSharder`` that offers ``customized_kernel`` to the
-  planner, upgrades the planner's plain ``ParameterSharding`` entries to ours, and builds a sharded
-  collection whose state_dict holds ShardedTensors for our tables as for ``fused`` ones.
+* ``TritonTBESharder`` / ``TritonTBEEmbeddingCollectionSharder``: TorchRec's ``EmbeddingBagCollection`` /
+  ``EmbeddingCollection`` sharders that offer ``customized_kernel`` to the planner, upgrade the planner's
+  plain ``ParameterSharding`` entries to ours, and build a sharded collection whose state_dict holds
+  ShardedTensors for our tables as for ``fused`` ones.
 * Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
   raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
   tables whose ``ParameterConstraints.compute_kernels`` ask for it.
@@ -21,6 +22,7 @@ from typing import Any, Dict, Iterable, Optional, TypeVar, Union
 import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.planner import enumerators as _enumerators
 from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
@@ -33,11 +35,11 @@ from torchrec.distributed.types import (
     ShardingPlan,
     ShardingType,
 )
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_triton_tbe.config import KernelConfig
 from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions, reject_plugin_keys
-from torchrec_triton_tbe.plugin.sharding import SEQUENCE_UNSUPPORTED, SUPPORTED_SHARDING_TYPES
+from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES
 
 CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 FUSED = EmbeddingComputeKernel.FUSED.value
@@ -148,16 +150,14 @@ def _rewrite_module(module_plan: EmbeddingModuleShardingPlan, wanted, convert) -
     return out
 
 
-# ---------------------------------------------------------------------------------------------- sharded module
-class TritonTBEShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """TorchRec's sharded collection, with our tables' state built like ``fused`` tables' state.
-
-    TorchRec skips CUSTOMIZED_KERNEL tables in ``_initialize_torch_state`` ("implemented in child
-    class"): they would get no ShardedTensor in ``state_dict()`` (so no multi-rank checkpoint layout),
-    and a rank holding no shard of one would register no ``weight`` (``reset_parameters()`` then fails).
-    Our kernel provides everything the fused path reads (``state_dict`` through TorchRec's
-    ``get_state_dict``, ``named_parameters_by_table``), so our tables are labelled ``fused`` while the
-    stock method runs, and restored afterwards."""
+# ---------------------------------------------------------------------------------------------- sharded modules
+class _RelabelOurTables:
+    """TorchRec's sharded collections skip CUSTOMIZED_KERNEL tables in ``_initialize_torch_state``
+    ("implemented in child class"): they would get no ShardedTensor in ``state_dict()`` (so no
+    multi-rank checkpoint layout), and a rank holding no shard of one would register no ``weight``
+    (``reset_parameters()`` then fails). Our kernels provide everything the fused path reads
+    (``state_dict`` through TorchRec's ``get_state_dict``, ``named_parameters_by_table``), so our tables
+    are labelled ``fused`` while the stock method runs, and restored afterwards."""
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         ours = {t: ps for t, ps in self.module_sharding_plan.items() if is_triton_tbe_sharding(ps)}
@@ -169,15 +169,65 @@ class TritonTBEShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             self.module_sharding_plan.update(ours)
 
 
-# ---------------------------------------------------------------------------------------------- sharder
-class TritonTBESharder(EmbeddingBagCollectionSharder):
+class TritonTBEShardedEmbeddingBagCollection(_RelabelOurTables, ShardedEmbeddingBagCollection):
+    """TorchRec's sharded ``EmbeddingBagCollection``, with our tables' state built like ``fused`` tables'."""
+
+
+class TritonTBEShardedEmbeddingCollection(_RelabelOurTables, ShardedEmbeddingCollection):
+    """TorchRec's sharded ``EmbeddingCollection`` (sequence), with our tables' state built like ``fused``
+    tables'."""
+
+
+# ---------------------------------------------------------------------------------------------- sharders
+class _OurKernelSharder:
+    """What both sharders add to TorchRec's: ``customized_kernel`` offered to the planner for the sharding
+    types we implement, plain ``ParameterSharding(compute_kernel="customized_kernel")`` entries (the
+    planner's output, or ``table_wise(rank, compute_kernel="customized_kernel")`` plans) upgraded to ours
+    with the sharder's ``options`` (entries already of type ``TritonTBEParameterSharding`` keep theirs),
+    and 2D parallel refused."""
+
+    options: TritonTBEOptions
+    sharding_types_ours: tuple = SUPPORTED_SHARDING_TYPES
+
+    def _init_options(self, fused_params: Optional[Dict[str, Any]], options: TritonTBEOptions) -> None:
+        reject_plugin_keys(fused_params, type(self).__name__)
+        if not isinstance(options, TritonTBEOptions):
+            raise TypeError(f"{type(self).__name__}(options=...) takes a TritonTBEOptions, got {type(options).__name__}")
+        self.options = options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if sharding_type in self.sharding_types_ours:
+            kernels.append(CUSTOMIZED)  # guarded: the planner takes it only where constraints ask
+        return kernels
+
+    def _our_params(self, params: Dict[str, ParameterSharding], env: ShardingEnv) -> Dict[str, ParameterSharding]:
+        params = {table: self._upgrade(table, ps) for table, ps in params.items()}
+        if isinstance(env, ShardingEnv2D) and any(is_triton_tbe_sharding(ps) for ps in params.values()):
+            # DMPCollection's replica weight sync looks for FBGEMM TBE modules only: ours would silently
+            # drift apart across replicas.
+            raise NotImplementedError("Triton TBE kernel: 2D parallel (DMPCollection / ShardingEnv2D) is not supported")
+        return params
+
+    def _upgrade(self, table: str, ps: ParameterSharding) -> ParameterSharding:
+        if ps.compute_kernel != CUSTOMIZED or isinstance(ps, TritonTBEParameterSharding):
+            return ps
+        if hasattr(ps, "get_additional_fused_params"):
+            return ps  # another plugin's customized kernel: route it untouched
+        if ps.sharding_type not in self.sharding_types_ours:
+            raise NotImplementedError(
+                f"Triton TBE kernel: table {table!r} is planned with sharding type {ps.sharding_type!r}; "
+                f"supported: {list(self.sharding_types_ours)}"
+            )
+        return TritonTBEParameterSharding.from_sharding(ps, self.options)
+
+
+class TritonTBESharder(_OurKernelSharder, EmbeddingBagCollectionSharder):
     """Shards ``EmbeddingBagCollection``s; tables planned with ``customized_kernel`` use the Triton kernel.
 
     ``fused_params`` are the usual sharder-wide FBGEMM keywords (optimizer, learning_rate, eps,
     embedding_table_index_type, ...) shared by ``fused`` and Triton tables; ``options`` are applied to
-    plain ``ParameterSharding(compute_kernel="customized_kernel")`` entries (the planner's output, or
-    ``table_wise(rank, compute_kernel="customized_kernel")`` plans). Entries already of type
-    ``TritonTBEParameterSharding`` keep their own options.
+    plain ``ParameterSharding(compute_kernel="customized_kernel")`` entries (see ``_OurKernelSharder``).
     """
 
     def __init__(
@@ -186,20 +236,11 @@ class TritonTBESharder(EmbeddingBagCollectionSharder):
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
         options: TritonTBEOptions = TritonTBEOptions(),
     ) -> None:
-        reject_plugin_keys(fused_params, "TritonTBESharder")
-        if not isinstance(options, TritonTBEOptions):
-            raise TypeError(f"TritonTBESharder(options=...) takes a TritonTBEOptions, got {type(options).__name__}")
+        self._init_options(fused_params, options)
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
-        self.options = options
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        if sharding_type in SUPPORTED_SHARDING_TYPES:
-            kernels.append(CUSTOMIZED)  # guarded: the planner takes it only where constraints ask
-        return kernels
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> Dict[str, nn.Parameter]:
-        _require_pooled(module)
+        _require(module, EmbeddingBagCollection, "TritonTBEEmbeddingCollectionSharder")
         return super().shardable_parameters(module)
 
     def shard(
@@ -210,15 +251,10 @@ class TritonTBESharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> ShardedEmbeddingBagCollection:
-        _require_pooled(module)
-        params = {table: self._upgrade(table, ps) for table, ps in params.items()}
-        if isinstance(env, ShardingEnv2D) and any(is_triton_tbe_sharding(ps) for ps in params.values()):
-            # DMPCollection's replica weight sync looks for FBGEMM TBE modules only: ours would silently
-            # drift apart across replicas.
-            raise NotImplementedError("Triton TBE kernel: 2D parallel (DMPCollection / ShardingEnv2D) is not supported")
+        _require(module, EmbeddingBagCollection, "TritonTBEEmbeddingCollectionSharder")
         return TritonTBEShardedEmbeddingBagCollection(
             module=module,
-            table_name_to_parameter_sharding=params,
+            table_name_to_parameter_sharding=self._our_params(params, env),
             env=env,
             fused_params=self.fused_params,
             device=device,
@@ -231,22 +267,58 @@ class TritonTBESharder(EmbeddingBagCollectionSharder):
     def sharded_module_type(self) -> type:
         return TritonTBEShardedEmbeddingBagCollection
 
-    def _upgrade(self, table: str, ps: ParameterSharding) -> ParameterSharding:
-        if ps.compute_kernel != CUSTOMIZED or isinstance(ps, TritonTBEParameterSharding):
-            return ps
-        if hasattr(ps, "get_additional_fused_params"):
-            return ps  # another plugin's customized kernel: route it untouched
-        if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
-            raise NotImplementedError(
-                f"Triton TBE kernel: table {table!r} is planned with sharding type {ps.sharding_type!r}; "
-                f"supported: {list(SUPPORTED_SHARDING_TYPES)}"
-            )
-        return TritonTBEParameterSharding.from_sharding(ps, self.options)
+
+class TritonTBEEmbeddingCollectionSharder(_OurKernelSharder, EmbeddingCollectionSharder):
+    """Shards ``EmbeddingCollection``s (sequence embeddings); tables planned with ``customized_kernel``
+    use the Triton kernel with ``PoolingMode.NONE``. Arguments as TorchRec's
+    ``EmbeddingCollectionSharder`` plus ``options``; sharding types: table-, row- and column-wise (all
+    that TorchRec shards an ``EmbeddingCollection`` with, data-parallel aside)."""
+
+    sharding_types_ours = SEQUENCE_SHARDING_TYPES
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        use_index_dedup: bool = False,
+        options: TritonTBEOptions = TritonTBEOptions(),
+    ) -> None:
+        self._init_options(fused_params, options)
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry,
+                         use_index_dedup=use_index_dedup)
+
+    def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
+        _require(module, EmbeddingCollection, "TritonTBESharder")
+        return super().shardable_parameters(module)
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> ShardedEmbeddingCollection:
+        _require(module, EmbeddingCollection, "TritonTBESharder")
+        return TritonTBEShardedEmbeddingCollection(
+            module,
+            self._our_params(params, env),
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:
+        return TritonTBEShardedEmbeddingCollection
 
 
-def _require_pooled(module: nn.Module) -> None:
-    if not isinstance(module, EmbeddingBagCollection):
-        raise NotImplementedError(f"{SEQUENCE_UNSUPPORTED} TritonTBESharder was given a {type(module).__name__}.")
+def _require(module: nn.Module, kind: type, other: str) -> None:
+    if not isinstance(module, kind):
+        raise TypeError(f"this sharder shards {kind.__name__}s, got a {type(module).__name__}; use {other} for it")
 
 
 # ---------------------------------------------------------------------------------------------- planner set-up

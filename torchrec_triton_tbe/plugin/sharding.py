@@ -15,8 +15,8 @@ kernel per grouped table config and raises ``ValueError`` for ``CUSTOMIZED_KERNE
   included, to the original method.
 
 The cost is a process-wide change at import of ``torchrec_triton_tbe.plugin``; ``install()`` is
-idempotent and ``installed()`` reports it. The sequence lookup (``EmbeddingCollection``) is wrapped too,
-only to refuse our marker with a clear error: sequence embeddings are not supported yet.
+idempotent and ``installed()`` reports it. The sequence lookup (``EmbeddingCollection``,
+``GroupedEmbeddingsLookup``) is wrapped the same way and builds ``TritonTBEEmbedding``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, Group
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingEnv, ShardingType
 
-from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbeddingBag
+from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbedding, TritonTBEEmbeddingBag
 from torchrec_triton_tbe.plugin.options import is_triton_tbe
 
 _PATCHED = "_triton_tbe_routing"
@@ -42,10 +42,11 @@ SUPPORTED_SHARDING_TYPES = (
     ShardingType.TABLE_ROW_WISE.value,
 )
 
-SEQUENCE_UNSUPPORTED = (
-    "Triton TBE kernel: EmbeddingCollection (sequence embeddings, unpooled) is not supported yet; only "
-    "EmbeddingBagCollection (pooled) tables can use compute_kernel='customized_kernel' with "
-    "customized_compute_kernel='triton_tbe'. Use compute_kernel='fused' for sequence tables."
+# TorchRec shards an EmbeddingCollection table-, row- or column-wise (or data-parallel).
+SEQUENCE_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
 )
 
 
@@ -76,9 +77,10 @@ def _wrap_pooled(original):
 def _wrap_sequence(original):
     @functools.wraps(original)
     def _create_embedding_kernel(self, config, pg, device, env=None):
-        if _ours(config):
-            raise NotImplementedError(f"{SEQUENCE_UNSUPPORTED} Tables: {[t.name for t in config.embedding_tables]}")
-        return original(self, config, pg, device, env)
+        # TorchRec 1.6.1 and 1.9.2 call it (config, pg, device[, env]); the pooled lookup's order differs.
+        if not _ours(config):
+            return original(self, config, pg, device, env)
+        return TritonTBEEmbedding(config=config, pg=pg, device=device)
 
     setattr(_create_embedding_kernel, _PATCHED, original)
     return _create_embedding_kernel
