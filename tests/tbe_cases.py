@@ -103,9 +103,11 @@ def make_pair(
     feature_table_map: Optional[Sequence[int]] = None,
     oracle: str = "fbgemm",
     seed: int = 0,
+    fbgemm_overrides: Optional[dict] = None,
     **kwargs,
 ):
-    """A TritonTBE and an oracle (FBGEMM CPU TBE or ReferenceTBE) with identical initial weights."""
+    """A TritonTBE and an oracle (FBGEMM CPU TBE or ReferenceTBE) with identical initial weights;
+    ``fbgemm_overrides``: keywords only FBGEMM's module gets differently (to steer around its bugs)."""
     ours = TritonTBE(list(specs), feature_table_map=feature_table_map, device="cpu", **kwargs)
     g = torch.Generator().manual_seed(seed)
     for w in ours.split_embedding_weights():
@@ -117,6 +119,7 @@ def make_pair(
         )
 
         fb_kwargs = {k: v for k, v in kwargs.items() if k not in ("kernel_config", "fused_bounds_check", "hoist_transpose")}
+        fb_kwargs.update(fbgemm_overrides or {})
         other = SplitTableBatchedEmbeddingBagsCodegen(
             [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for r, d in specs],
             feature_table_map=list(ftm),

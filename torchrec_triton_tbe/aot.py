@@ -6,8 +6,8 @@ How the specializations are found: the module itself is driven (forward + backwa
 over the product of its options — weights/output/index/per-sample-weight dtypes, SUM/MEAN, EXACT_SGD
 and EXACT_ROWWISE_ADAGRAD, stochastic rounding, every bounds-check mode with and without the fused check, the
 transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 to 2048 with and
-without padding; then sequence (NONE) modules of each width, and every other optimizer variant
-(``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
+without padding; then sequence (NONE) modules of each width, variable batches (VBE), and every other
+optimizer variant (``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
 ``JITFunction.run`` is replaced by a recorder. Each launch yields one specialization: kernel,
 argument types, constexpr values and num_warps (what Triton compiles on).
 
@@ -177,6 +177,17 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                               embedding_table_index_type=[torch.int64, torch.int32][v % 2],
                               kernel_config=long_paths[v % len(long_paths)])
                 out = m(indices.clone(), offsets.clone())
+                out.backward(torch.ones_like(out))
+            # Variable batch per feature (VBE: the per-bag output table), pooled modes, weighted or not.
+            sizes = [[B // 2, B // 4]] * T
+            for v, (wp, pm) in enumerate(itertools.product(dtypes, [PoolingMode.SUM, PoolingMode.MEAN])):
+                m = TritonTBE(layout, weights_precision=wp, output_dtype=dtypes[v % 3], pooling_mode=pm, device="cpu",
+                              optimizer=optims[v % 2], kernel_config=long_paths[v % len(long_paths)])
+                n_bags = T * (B // 2 + B // 4)
+                vbe_offsets = offsets[: n_bags + 1].clone()
+                vbe_indices = indices[: int(vbe_offsets[-1])].clone()
+                psw = torch.ones(vbe_indices.numel(), requires_grad=True) if v % 2 else None
+                out = m(vbe_indices, vbe_offsets, psw, batch_size_per_feature_per_rank=sizes)
                 out.backward(torch.ones_like(out))
             # Every other optimizer variant (the update's constexprs), with each weights precision.
             for v, (wp, (opt, extra)) in enumerate(itertools.product(dtypes, optimizer_variants())):

@@ -18,6 +18,7 @@ from torchrec_triton_tbe.ops import forward as fwd_ops
 from torchrec_triton_tbe.ops import graphs as graph_ops
 from torchrec_triton_tbe.ops import transpose as transpose_ops
 from torchrec_triton_tbe.ops.spec import TBESpec
+from torchrec_triton_tbe.ops.vbe import VBELayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +44,28 @@ class TBEFunction(torch.autograd.Function):
         offsets: torch.Tensor,
         per_sample_weights: Optional[torch.Tensor],
         feature_requires_grad: Optional[torch.Tensor],
+        vbe_output: Optional[torch.Tensor],
         call: LookupCall,
+        vbe: Optional[VBELayout],
     ) -> torch.Tensor:
+        """``vbe`` (variable batch): ``offsets`` are its padded ones and call.B its padded batch; with
+        ``vbe_output`` (TorchRec's merged output of several kernels) the result is written into it in
+        place and it is returned."""
         spec = call.spec
         if spec.nobag:
             out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B)
         else:
             out = fwd_ops.pooled_forward(
-                spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning
+                spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning, vbe
             )
+        if vbe_output is not None:
+            ctx.mark_dirty(vbe_output)
         # Hoisted transpose: sort + run-length encode now (forward is often off the critical path
         # of the backward's communication), carried to backward on ctx.
         ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B) if spec.hoist_transpose else None
         ctx.call = call
+        ctx.vbe = vbe
+        ctx.merged = vbe_output is not None
         ctx.save_for_backward(indices, offsets, per_sample_weights, feature_requires_grad)
         return out
 
@@ -64,6 +74,7 @@ class TBEFunction(torch.autograd.Function):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
+        passthrough = grad_out  # merged VBE: the other kernels' gradient, unclipped
         grad_out = grad_out.contiguous()
         if spec.optimizer.gradient_clipping:
             # FBGEMM clamps the output gradient first; the weights' and the per-sample weights'
@@ -71,14 +82,16 @@ class TBEFunction(torch.autograd.Function):
             bound = spec.optimizer.max_gradient
             grad_out = grad_out.clamp(-bound, bound)
         grad_psw = None
+        vbe = ctx.vbe
         if ctx.needs_input_grad[3]:
             grad_psw = bwd_ops.psw_grad(
-                spec, state.weights, indices, offsets, grad_out, call.B, feature_requires_grad
+                spec, state.weights, indices, offsets, grad_out, call.B, feature_requires_grad, vbe
             ).to(per_sample_weights.dtype)
         runs, ctx.runs = ctx.runs, None
         B = call.B
         if (
             runs is None
+            and vbe is None  # its per-bag table is a per-call tensor: not a static input of a graph
             and call.on_runs is None
             and call.graphs is not None
             and graph_ops.BackwardGraphs.applies(spec, indices.numel(), grad_out.device)
@@ -89,10 +102,12 @@ class TBEFunction(torch.autograd.Function):
 
             call.graphs.run(spec, state, indices, offsets, grad_out, per_sample_weights, B, body)
         else:
-            runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B)
+            runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B, vbe)
             if call.on_runs is not None:
                 call.on_runs(runs)
-        return None, None, None, grad_psw, None, None
+        # Merged VBE: the gradient of the caller's buffer passes through to whatever wrote it before
+        # (TorchRec's other kernels read only their own positions of it).
+        return None, None, None, grad_psw, None, passthrough if ctx.merged else None, None, None
 
 
 table_batched_embedding_bag = TBEFunction.apply

@@ -29,6 +29,7 @@ from torchrec_triton_tbe import compat
 from torchrec_triton_tbe.autograd import LookupCall, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
+from torchrec_triton_tbe.ops import vbe as vbe_ops
 from torchrec_triton_tbe.ops.backward import OptimizerTensors
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 from torchrec_triton_tbe.ops.spec import HYPER_FIELDS, Bounds, TBESpec
@@ -263,13 +264,18 @@ class TritonTBE(nn.Module):
     ) -> torch.Tensor:
         # total_unique_indices is a sizing hint (needed by FBGEMM's OptimType.NONE); hash_zch_* feed
         # FBGEMM's raw-embedding streaming. Neither changes the pooled output.
-        if batch_size_per_feature_per_rank is not None or vbe_output is not None or vbe_output_offsets is not None:
-            raise NotImplementedError(
-                "TritonTBE: variable batch size per feature (batch_size_per_feature_per_rank / vbe_output) "
-                "is not supported yet"
-            )
         spec = self._spec
-        B = bounds_ops.validate_shapes(spec, indices, offsets, per_sample_weights, feature_requires_grad)
+        sizes = None
+        if batch_size_per_feature_per_rank is not None:
+            if spec.nobag:
+                # FBGEMM: "Variable batch size TBE support is not enabled for PoolingMode.NONE" (TorchRec
+                # pads sequence batches before the lookup).
+                raise ValueError("batch_size_per_feature_per_rank is not supported with pooling_mode=NONE")
+            sizes = vbe_ops.check_batch_sizes(spec, batch_size_per_feature_per_rank)
+        elif vbe_output is not None or vbe_output_offsets is not None:
+            raise ValueError("vbe_output / vbe_output_offsets need batch_size_per_feature_per_rank")
+        B = bounds_ops.validate_shapes(spec, indices, offsets, per_sample_weights, feature_requires_grad,
+                                       None if sizes is None else sum(map(sum, sizes)))
         # FBGEMM: ids to int32 when the index type says so; offsets always follow the ids' dtype.
         if self.embedding_table_index_type == torch.int32 and indices.dtype != torch.int32:
             indices = indices.to(torch.int32)
@@ -280,6 +286,11 @@ class TritonTBE(nn.Module):
             per_sample_weights = per_sample_weights.contiguous()
         if feature_requires_grad is not None:
             feature_requires_grad = feature_requires_grad.to(device=self.current_device, dtype=torch.int32)
+        vbe = None
+        if sizes is not None:
+            # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
+            vbe = vbe_ops.vbe_layout(spec, offsets, sizes, vbe_output, vbe_output_offsets)
+            offsets, B = vbe.offsets, vbe.B
         bufs = self._buffers
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_repair_flag"],
@@ -287,7 +298,8 @@ class TritonTBE(nn.Module):
         )
         call = self._lookup_call(spec, B, bufs)
         return TBEFunction.apply(
-            self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad, call
+            self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
+            None if vbe is None else vbe.output, call, vbe,
         )
 
     def _lookup_call(self, spec: TBESpec, B: int, bufs: dict) -> LookupCall:

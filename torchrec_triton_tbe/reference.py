@@ -6,7 +6,8 @@ readable statement of the semantics.
 Semantics (FBGEMM's): bag (t, b) = ids[offsets[t*B+b] : offsets[t*B+b+1]] of table feature_table_map[t];
 SUM pools sum_i psw_i * W[id_i]; MEAN divides that by the bag length; an empty bag pools to zero and
 passes no gradient. NONE (sequence) does not pool: output row p is W[id_p] of its feature's table,
-[N, D], and row p's gradient goes to that row alone. Training applies one optimizer step to every row the batch looked up, with g the
+[N, D], and row p's gradient goes to that row alone. A variable batch per feature (VBE) pools each
+feature's own bags and lays the output out rank-major (vbe_lookup). Training applies one optimizer step to every row the batch looked up, with g the
 row's gradient summed over every lookup of the batch (FBGEMM's "EXACT" optimizers); rows not looked
 up keep their weights and state. The update rules below follow fbgemm_gpu/codegen/genscript/
 optimizers.py line by line (fp32 arithmetic; t is the step count, from 1):
@@ -66,6 +67,35 @@ def pooled_lookup(
             out = out / lengths.clamp(min=1).to(w.dtype)[:, None]
         outs.append(out)
     return torch.cat(outs, dim=1)
+
+
+def vbe_lookup(
+    tables: Sequence[torch.Tensor],
+    feature_table_map: Sequence[int],
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size_per_feature_per_rank: Sequence[Sequence[int]],
+    mean: bool,
+    per_sample_weights: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Variable batch per feature (FBGEMM's VBE): feature t has sum_r B_tr bags (offsets feature-major,
+    each feature's bags rank by rank); the output is 1-D, rank-major: for each rank r, for each feature
+    t, its [B_tr, D_t] block."""
+    sizes = [list(row) for row in batch_size_per_feature_per_rank]
+    offsets = offsets.long()
+    blocks = {}
+    begin = 0
+    for t, k in enumerate(feature_table_map):
+        n = sum(sizes[t])
+        bag_off = offsets[begin : begin + n + 1]
+        pooled = pooled_lookup([tables[k]], [0], indices, bag_off, mean, per_sample_weights)
+        start = 0
+        for r, count in enumerate(sizes[t]):
+            blocks[r, t] = pooled[start : start + count].reshape(-1)
+            start += count
+        begin += n
+    ranks = len(sizes[0]) if sizes else 0
+    return torch.cat([blocks[r, t] for r in range(ranks) for t in range(len(feature_table_map))])
 
 
 def sequence_lookup(
@@ -142,8 +172,13 @@ class ReferenceTBE:
         """The first state tensor per table (row-wise Adagrad's sum, ...), [] per table without state."""
         return [s[0] for s in self.states] if self.spec.states else []
 
-    def forward(self, indices, offsets, per_sample_weights=None) -> torch.Tensor:
+    def forward(self, indices, offsets, per_sample_weights=None, batch_size_per_feature_per_rank=None) -> torch.Tensor:
         self._leaves = [t.double().requires_grad_(True) for t in self.tables]
+        if batch_size_per_feature_per_rank is not None:
+            self._touched = self._rows_looked_up(indices, offsets, [sum(r) for r in batch_size_per_feature_per_rank])
+            psw = None if per_sample_weights is None else per_sample_weights.double()
+            return vbe_lookup(self._leaves, self.feature_table_map, indices, offsets,
+                              batch_size_per_feature_per_rank, self.mean, psw)
         self._touched = self._rows_looked_up(indices, offsets)
         if self.nobag:
             return sequence_lookup(self._leaves, self.feature_table_map, indices, offsets)
@@ -151,13 +186,16 @@ class ReferenceTBE:
         out = pooled_lookup(self._leaves, self.feature_table_map, indices, offsets, self.mean, psw)
         return out
 
-    def _rows_looked_up(self, indices, offsets) -> list[torch.Tensor]:
+    def _rows_looked_up(self, indices, offsets, bags_per_feature=None) -> list[torch.Tensor]:
         T = len(self.feature_table_map)
-        B = (offsets.numel() - 1) // T
+        if bags_per_feature is None:
+            bags_per_feature = [(offsets.numel() - 1) // T] * T
         touched = [torch.zeros(t.shape[0], dtype=torch.bool) for t in self.tables]
+        begin = 0
         for t, k in enumerate(self.feature_table_map):
-            lo, hi = int(offsets[t * B]), int(offsets[(t + 1) * B])
+            lo, hi = int(offsets[begin]), int(offsets[begin + bags_per_feature[t]])
             touched[k][indices[lo:hi].long()] = True
+            begin += bags_per_feature[t]
         return touched
 
     def output(self, out64: torch.Tensor) -> torch.Tensor:

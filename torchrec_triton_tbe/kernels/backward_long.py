@@ -45,6 +45,8 @@ def _backward_long_partials_kernel(
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """
     partials_ptr: [max_chunks, partial_stride] fp32 workspace; chunk c writes row c.
@@ -62,7 +64,8 @@ def _backward_long_partials_kernel(
         r, first_chunk, run_s, s, e = _chunk_slots(c, chunk_run_ptr, run_chunk_begin_ptr, run_start_ptr, chunk)
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP,
+            OUT_ALIGN,
         )
         # Columns past D are zeros (masked loads); the apply pass never reads them.
         tl.store(partials_ptr + c * partial_stride + cols, partial)
@@ -168,6 +171,8 @@ def _backward_long_fused_kernel(
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """The two passes above in one launch: each chunk stores its partial, then counts itself done on
     its run's counter (counters_ptr[first chunk of the run], zeroed by the host) with acquire-release
@@ -188,7 +193,8 @@ def _backward_long_fused_kernel(
         last_chunk = tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64)
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
-            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP,
+            OUT_ALIGN,
         )
         tl.store(partials_ptr + c * partial_stride + cols, partial)
         # Every thread's part of the partial is stored before the one thread holding the counter

@@ -70,13 +70,15 @@ def _backward_short_kernel(
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """
     weights_ptr: flat weights (fp32/fp16/bf16), updated in place. m1/m2/m3_ptr: the optimizer's state
     (kernels/optim.py). lr_ptr: fp32[1] learning rate, hyper_ptr: fp32 other hyper-parameters (both
     device-resident so CUDA graphs see scheduler and hyper-parameter updates).
     step_ptr: int64[1] optimizer step (bias correction; seeds stochastic rounding).
-    grad_out_ptr: [B, total_D] output gradient.
+    grad_out_ptr: [B, total_D] output gradient (the layouts of grad_gather.gather_bag_rows: OUT_MAP, VBE).
     sorted_keys_ptr / sorted_bags_ptr / sorted_psw_ptr: [N] per sorted slot: row key, bag id
         (t << bag_shift) | b, per-sample weight (fp32, read only if WEIGHTED).
     run_start_ptr: [N + 1] first slot of each run (N past the last run).
@@ -115,7 +117,7 @@ def _backward_short_kernel(
                 n_psw = tl.load(sorted_psw_ptr + s + j + 1, mask=nxt, other=0.0).to(tl.float32)
             g, t, gmask = gather_bag_rows(
                 grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, act & (j < L), B,
-                bag_shift, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+                bag_shift, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN,
             )
             acc += g
             bag, psw = n_bag, n_psw

@@ -17,3 +17,16 @@ def column_mask(cols, D, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
     if EVEN_D:
         return cols < BLOCK_D
     return cols < D
+
+
+@triton.jit
+def out_row_start(out_offset_ptr, o_col, t, b, B, total_D, m, OUT_MAP: tl.constexpr):
+    """Element offset of bag (t, b)'s output row (also its output-gradient row), where m. Fixed batch:
+    the output is [B, total_D] and the row starts at b * total_D + o_col, o_col being the feature's
+    column offset (out_offset_ptr[t], loaded by the caller: once per program where t is fixed; for a
+    sequence backward, the feature's first position times D). OUT_MAP (variable batch per feature,
+    VBE): out_offset_ptr is a per-bag table [T * B] of row starts in the 1-D output, -1 for the padding
+    bags of features with fewer than B bags, and o_col is unused. t and b may be scalars or vectors."""
+    if OUT_MAP:
+        return tl.load(out_offset_ptr + t.to(tl.int64) * B + b, mask=m, other=0)
+    return b.to(tl.int64) * total_D + o_col

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices
-from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
+from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask, out_row_start
 
 
 @triton.jit
@@ -48,6 +48,8 @@ def _pooled_forward_kernel(
     GATHER: tl.constexpr,
     BAGS: tl.constexpr,
     LANES: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """
     One program = BAGS * LANES consecutive bags of one feature of this D bucket
@@ -59,6 +61,8 @@ def _pooled_forward_kernel(
     offsets_ptr: [T*B + 1] same dtype as indices; bag (t, b) is [offsets[t*B+b], offsets[t*B+b+1]).
     psw_ptr: [N] fp32 or fp16 per-sample weights (read only if WEIGHTED).
     out_ptr: [B, total_D] output (fp32/fp16/bf16); feature t writes columns [out_offset[t], +D_t).
+        OUT_MAP (VBE): the 1-D output, bag (t, b) written at feature_out_offset_ptr[t * B + b] (a per-bag
+        table; -1: a padding bag, not written). OUT_ALIGN: a power of two dividing every output row start.
     bucket_features_ptr: [T_k] int32 features of this bucket; program_id(1) indexes it.
     feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
     warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
@@ -74,7 +78,9 @@ def _pooled_forward_kernel(
     # rows still load as 16-byte vectors (without it every element is a scalar load).
     D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN
     w_base = tl.load(feature_weight_offset_ptr + t)
-    o_col = tl.load(feature_out_offset_ptr + t)
+    o_col = 0
+    if not OUT_MAP:
+        o_col = tl.load(feature_out_offset_ptr + t)
     num_rows = tl.load(feature_rows_ptr + t)
     cols = tl.arange(0, BLOCK_D)
     cmask = column_mask(cols, D, EVEN_D, BLOCK_D)
@@ -107,9 +113,13 @@ def _pooled_forward_kernel(
                     # FBGEMM: an empty bag pools to zero in every mode.
                     n = end - start
                     acc = tl.where(n > 0, acc / tl.maximum(n, 1).to(acc_ty), 0.0)
-                out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+                out_row = out_row_start(feature_out_offset_ptr, o_col, t, b, B, total_D, True, OUT_MAP)
+                omask = cmask
+                if OUT_MAP:
+                    omask = cmask & (out_row >= 0)
+                out_row = tl.multiple_of(out_row, OUT_ALIGN)
                 # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
-                tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=cmask)
+                tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=omask)
     else:
         lanes = tl.arange(0, LANES)
         for bb in tl.static_range(BAGS):
@@ -146,7 +156,10 @@ def _pooled_forward_kernel(
                 if POOLING_MEAN:
                     # FBGEMM: an empty bag pools to zero in every mode.
                     acc = tl.where((n > 0)[:, None], acc / tl.maximum(n, 1).to(acc_ty)[:, None], 0.0)
-                out_row = tl.multiple_of(b.to(tl.int64) * total_D + o_col, ALIGN)
+                out_row = out_row_start(feature_out_offset_ptr, o_col, t, b, B, total_D, live, OUT_MAP)
+                if OUT_MAP:
+                    live = live & (out_row >= 0)
+                out_row = tl.multiple_of(out_row, OUT_ALIGN)
                 # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
                 tl.store(
                     out_ptr + out_row[:, None] + cols[None, :],

@@ -12,6 +12,8 @@ D-wide gradient row (D * 4 B for fp32 gradients: the dominant term).
 import triton
 import triton.language as tl
 
+from torchrec_triton_tbe.kernels.common import out_row_start
+
 
 @triton.jit
 def sum_rows(
@@ -33,6 +35,8 @@ def sum_rows(
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """fp32 sum of the gradient rows of sorted slots [s, e), len(lanes) rows per step.
 
@@ -57,7 +61,7 @@ def sum_rows(
             n_psw = tl.load(sorted_psw_ptr + kn, mask=kn < e, other=0.0)
         g, t, cmask = gather_bag_rows(
             grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, m, B, bag_shift, total_D,
-            cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D,
+            cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN,
         )
         acc += g
         bag, psw = n_bag, n_psw
@@ -82,14 +86,16 @@ def gather_bag_rows(
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
-    """(rows, t, cmask): rows [S, BLOCK_D] fp32 = scale * grad_out[b, out_offset[t] + cols] for bag ids
+    """(rows, t, cmask): rows [S, BLOCK_D] fp32 = scale * grad_out[bag's output row + cols] for bag ids
     (t << bag_shift) | b with mask m, scale = psw (WEIGHTED) / bag length (MEAN); t [S] the feature of
-    each row; cmask [S, BLOCK_D] the live elements."""
+    each row; cmask [S, BLOCK_D] the live elements. The bag's output row: common.out_row_start
+    (OUT_MAP: a per-bag table, VBE); OUT_ALIGN divides every output row start."""
     # Bag ids are (t << bag_shift) | b (ops/transpose.py): no integer division on the hot path.
     t = bag >> bag_shift
     b = bag & ((1 << bag_shift) - 1)
-    o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
     if EVEN_D:
         # A row mask broadcast along the columns: no per-element compare.
         cmask = tl.broadcast_to(m[:, None], (m.shape[0], BLOCK_D))
@@ -97,9 +103,12 @@ def gather_bag_rows(
         # ALIGN divides D: a mask constant over ALIGN-wide groups keeps the loads vectorised.
         D = (tl.load(feature_dim_ptr + t, mask=m, other=0) // ALIGN) * ALIGN
         cmask = m[:, None] & (cols[None, :] < D[:, None])
-    # (x // ALIGN) * ALIGN == x here (ALIGN divides every row start), and tells the compiler so: it can
-    # then emit vector loads. (tl.multiple_of on this vector trips a layout bug in Triton 3.6.)
-    row = ((b.to(tl.int64) * total_D + o_col) // ALIGN) * ALIGN
+    # (x // OUT_ALIGN) * OUT_ALIGN == x here (OUT_ALIGN divides every row start), and tells the compiler
+    # so: it can then emit vector loads. (tl.multiple_of on this vector trips a layout bug in Triton 3.6.)
+    o_col = 0
+    if not OUT_MAP:
+        o_col = tl.load(feature_out_offset_ptr + t, mask=m, other=0)
+    row = (out_row_start(feature_out_offset_ptr, o_col, t, b, B, total_D, m, OUT_MAP) // OUT_ALIGN) * OUT_ALIGN
     go = tl.load(grad_out_ptr + row[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
     if WEIGHTED or POOLING_MEAN:
         scale = tl.full(bag.shape, 1.0, tl.float32)

@@ -7,7 +7,7 @@ Byte accounting per lookup: id (4/8 B) + one weight row (D * E B) + 4 B out; per
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask
+from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask, out_row_start
 
 
 @triton.jit
@@ -31,14 +31,18 @@ def _psw_grad_kernel(
     BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr,
     BAGS: tl.constexpr,
+    OUT_MAP: tl.constexpr,
 ):
     """Grid: [cdiv(B, BAGS), T_k]. grad_psw_ptr: [N] fp32 out. feature_requires_grad_ptr: [T] ints;
-    features with 0 get a zero gradient (FBGEMM's feature_requires_grad)."""
+    features with 0 get a zero gradient (FBGEMM's feature_requires_grad). The bag's gradient row:
+    common.out_row_start (OUT_MAP: VBE's per-bag table, whose padding bags have no lookups)."""
     pid_b = tl.program_id(0)
     t = tl.load(bucket_features_ptr + tl.program_id(1))
     D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN  # ALIGN divides D: vector loads (forward.py)
     w_base = tl.load(feature_weight_offset_ptr + t)
-    o_col = tl.load(feature_out_offset_ptr + t)
+    o_col = 0
+    if not OUT_MAP:
+        o_col = tl.load(feature_out_offset_ptr + t)
     enabled = 1
     if HAS_FEATURE_MASK:
         enabled = tl.load(feature_requires_grad_ptr + t)
@@ -49,7 +53,8 @@ def _psw_grad_kernel(
         b = pid_b * BAGS + bb
         if b < B:
             bag, start, end = bag_bounds(offsets_ptr, t, b, B)
-            go = tl.load(grad_out_ptr + b.to(tl.int64) * total_D + o_col + cols, mask=cmask, other=0.0)
+            row = out_row_start(feature_out_offset_ptr, o_col, t, b, B, total_D, True, OUT_MAP)
+            go = tl.load(grad_out_ptr + row + cols, mask=cmask & (row >= 0), other=0.0)
             go = go.to(tl.float32)
             if POOLING_MEAN:
                 go = go / tl.maximum(end - start, 1).to(tl.float32)

@@ -27,6 +27,7 @@ from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops.launch import arg_key, cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
+from torchrec_triton_tbe.ops.vbe import VBELayout
 
 
 @dataclasses.dataclass
@@ -82,6 +83,7 @@ def psw_grad(
     grad_out: torch.Tensor,
     B: int,
     feature_requires_grad: Optional[torch.Tensor],
+    vbe: Optional[VBELayout] = None,
 ) -> torch.Tensor:
     plan, tensors, cfg = spec.plan, spec.tensors, spec.config.forward
     grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
@@ -103,7 +105,7 @@ def psw_grad(
                 tensors.bucket_features[k],
                 tensors.feature_dim,
                 tensors.feature_weight_offset,
-                tensors.feature_out_offset,
+                tensors.feature_out_offset if vbe is None else vbe.out_map,
                 feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
                 B,
                 plan.total_D,
@@ -116,22 +118,26 @@ def psw_grad(
                 BLOCK_D=bucket.block_d,
                 GATHER=gather,
                 BAGS=cfg.bags_per_program,
+                OUT_MAP=vbe is not None,
             ),
             tile_warps(cfg.num_warps.get(bucket.block_d), gather * bucket.block_d),
         )
     return grad
 
 
-def grad_rows(spec: TBESpec, offsets: torch.Tensor, B: int) -> tuple[torch.Tensor, int]:
-    """Where the gradient row of bag (t, b) starts in the output gradient: b * stride + column[t].
-    Pooled: [B, total_D], column = the feature's output offset. Sequence (nobag): [N, D], and a lookup's
-    bag id holds its position within its feature (kernels/transpose.py), so column = the feature's first
-    position * D, read from the offsets on the device (no sync; inside a captured graph it reads the
-    static offsets)."""
+def grad_rows(spec: TBESpec, offsets: torch.Tensor, B: int, vbe: Optional[VBELayout]) -> tuple:
+    """Where the gradient row of bag (t, b) starts in the output gradient (kernels/common.py
+    out_row_start): (table, stride, OUT_MAP, out_align or None). Pooled: [B, total_D], row b * total_D +
+    the feature's column offset. Sequence (nobag): [N, D], and a lookup's bag id holds its position
+    within its feature (kernels/transpose.py), so the "column" is the feature's first position * D, read
+    from the offsets on the device (no sync; inside a captured graph it reads the static offsets).
+    Variable batch (VBE): the per-bag table of ops/vbe.py."""
+    if vbe is not None:
+        return vbe.out_map, spec.plan.total_D, True, vbe.out_align
     if not spec.nobag:
-        return spec.tensors.feature_out_offset, spec.plan.total_D
+        return spec.tensors.feature_out_offset, spec.plan.total_D, False, None
     D = spec.plan.max_D
-    return offsets[: spec.plan.num_features * B : B].to(torch.int64) * D, D
+    return offsets[: spec.plan.num_features * B : B].to(torch.int64) * D, D, False, None
 
 
 def fused_update(
@@ -142,6 +148,7 @@ def fused_update(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     B: int,
+    vbe: Optional[VBELayout] = None,
 ) -> None:
     """One optimizer step per unique row touched by the batch."""
     if runs.num_lookups == 0 or B == 0:
@@ -149,7 +156,7 @@ def fused_update(
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
     device = grad_out.device
     weighted = per_sample_weights is not None
-    out_offset, grad_stride = grad_rows(spec, offsets, B)
+    out_offset, grad_stride, out_map, out_align = grad_rows(spec, offsets, B, vbe)
     # Per-sample weights in sorted order (fp32), so the kernels read them coalesced.
     sorted_psw = per_sample_weights.float()[runs.perm] if weighted else grad_out
     partial_stride = max(b.block_d for b in plan.buckets)
@@ -168,6 +175,10 @@ def fused_update(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
             BLOCK_D=bd,
+        )
+        gathers = dict(
+            OUT_MAP=out_map,
+            OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
         )
         warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
         update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
@@ -202,7 +213,7 @@ def fused_update(
                 grad_stride,
                 runs.threshold,
             ),
-            dict(**modes, **update, **common),
+            dict(**modes, **update, **common, **gathers),
             warps,
         )
         if fused_long:
@@ -228,7 +239,7 @@ def fused_update(
                     runs.chunk,
                     partial_stride,
                 ),
-                dict(**modes, **update, **common),
+                dict(**modes, **update, **common, **gathers),
                 warps,
             )
             continue
@@ -252,7 +263,7 @@ def fused_update(
                 runs.chunk,
                 partial_stride,
             ),
-            dict(**modes, **common),
+            dict(**modes, **common, **gathers),
             warps,
         )
         _launch_persistent(
@@ -288,12 +299,13 @@ def backward_step(
     grad_out: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     B: int,
+    vbe: Optional[VBELayout] = None,
 ) -> RunPlan:
     """Everything a backward does after the per-sample-weight gradient: the runs (unless the forward
     built them), one optimizer step per touched row, the step counter. Device work only (no host
     sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
     if runs is None:
         runs = build_runs(spec, indices, offsets, B)
-    fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B)
+    fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe)
     state.step.add_(1)
     return runs

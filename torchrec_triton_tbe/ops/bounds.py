@@ -43,8 +43,10 @@ def validate_shapes(
     offsets: torch.Tensor,
     per_sample_weights: Optional[torch.Tensor],
     feature_requires_grad: Optional[torch.Tensor],
+    vbe_bags: Optional[int] = None,
 ) -> int:
-    """Checks that need no data; returns B."""
+    """Checks that need no data; returns B (fixed batch) or the bags of a variable batch (``vbe_bags``,
+    the sum of batch_size_per_feature_per_rank: offsets must have one more element)."""
     T = spec.plan.num_features
     for name, x in (("indices", indices), ("offsets", offsets)):
         if not isinstance(x, torch.Tensor):
@@ -55,7 +57,13 @@ def validate_shapes(
             raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
         if x.device != spec.device:
             raise ValueError(f"{name} is on {x.device}, the module's tables are on {spec.device}")
-    if offsets.numel() < 1 or (offsets.numel() - 1) % T != 0:
+    if vbe_bags is not None:
+        if offsets.numel() != vbe_bags + 1:
+            raise ValueError(
+                f"offsets has {offsets.numel()} elements; batch_size_per_feature_per_rank sums to {vbe_bags} "
+                f"bags, so {vbe_bags + 1} are expected (feature-major, each feature's bags rank by rank)"
+            )
+    elif offsets.numel() < 1 or (offsets.numel() - 1) % T != 0:
         raise ValueError(
             f"offsets has {offsets.numel()} elements; expected T*B+1 with T={T} features "
             f"(table-major: offsets[t*B+b] starts bag b of feature t)"
@@ -76,7 +84,7 @@ def validate_shapes(
             raise ValueError(f"per_sample_weights is on {per_sample_weights.device}, the module on {spec.device}")
     if feature_requires_grad is not None and feature_requires_grad.numel() != T:
         raise ValueError(f"feature_requires_grad has {feature_requires_grad.numel()} elements, expected T={T}")
-    return (offsets.numel() - 1) // T
+    return vbe_bags if vbe_bags is not None else (offsets.numel() - 1) // T
 
 
 def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:

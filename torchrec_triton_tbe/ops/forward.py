@@ -13,6 +13,7 @@ from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
+from torchrec_triton_tbe.ops.vbe import VBELayout
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
 
@@ -41,13 +42,22 @@ def pooled_forward(
     per_sample_weights: Optional[torch.Tensor],
     B: int,
     warning: torch.Tensor,
+    vbe: Optional[VBELayout] = None,
 ) -> torch.Tensor:
+    """[B, total_D]; with ``vbe`` (variable batch, ops/vbe.py: ``offsets`` padded, B the padded batch) the
+    1-D VBE output, or the caller's ``vbe.output`` written in place."""
     plan, tensors = spec.plan, spec.tensors
-    out = torch.empty(B, plan.total_D, dtype=spec.output_dtype, device=weights.device)
+    if vbe is None:
+        out = torch.empty(B, plan.total_D, dtype=spec.output_dtype, device=weights.device)
+    else:
+        out = vbe.output if vbe.output is not None else torch.empty(
+            vbe.out_size, dtype=spec.output_dtype, device=weights.device)
     if B == 0:
         return out
     weighted = per_sample_weights is not None
-    for k, grid, constexprs, warps in _launches(spec, B, indices.numel(), weighted, weights.element_size()):
+    out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
+    out_align = None if vbe is None else vbe.out_align
+    for k, grid, constexprs, warps in _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align):
         launch(
             _pooled_forward_kernel,
             grid,
@@ -60,7 +70,7 @@ def pooled_forward(
                 tensors.bucket_features[k],
                 tensors.feature_dim,
                 tensors.feature_weight_offset,
-                tensors.feature_out_offset,
+                out_offset,
                 tensors.feature_rows,
                 warning,
                 B,
@@ -92,11 +102,13 @@ def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor
     return out
 
 
-def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int) -> list:
+def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
+              out_align: Optional[int] = None) -> list:
     """(bucket, grid, constexprs, num_warps) of each launch; memoised per spec on the host ints they
-    depend on (the mean bag length only through lanes_gather's power of two)."""
+    depend on (the mean bag length only through lanes_gather's power of two). ``out_align``: VBE's
+    (ops/vbe.py: output rows through the per-bag table); None: the fixed-batch [B, total_D] output."""
     num_bags = B * spec.plan.num_features
-    key = ("forward", B, mean_bag_pow2(num_lookups, num_bags), weighted, weight_bytes)
+    key = ("forward", B, mean_bag_pow2(num_lookups, num_bags), weighted, weight_bytes, out_align)
     found = spec.launch_plans.get(key)
     if found is not None:
         return found
@@ -123,6 +135,8 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             GATHER=gather,
             BAGS=bags,
             LANES=lanes,
+            OUT_MAP=out_align is not None,
+            OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
         )
         grid = (cdiv(B, bags * lanes), len(bucket.features))
         launches.append((k, grid, constexprs, tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)))
