@@ -39,7 +39,6 @@ def test_forward_signature_is_fbgemms():
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        (dict(pooling_mode=PoolingMode.NONE), "pooling_mode"),
         (dict(weights_precision=SparseType.INT8), "weights_precision"),
         (dict(output_dtype=SparseType.INT8), "output_dtype"),
         (dict(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming"),
@@ -119,12 +118,6 @@ def test_optimizer_step_counter():
     assert int(m.iter) == 42
     m.flush()
     m.reset_cache_states()
-
-
-def test_variable_batch_size_is_refused_clearly():
-    m = TritonTBE(SPECS, device="cpu")
-    with pytest.raises(NotImplementedError, match="variable batch size"):
-        m(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), batch_size_per_feature_per_rank=[[1], [1]])
 
 
 @pytest.mark.parametrize(

@@ -119,7 +119,9 @@ def test_index_dtype_reaches_the_kernel(monkeypatch, plan_dtype, kjt_dtype, expe
     assert all(s[3] == (plan_dtype or torch.int64) for s in module_calls), seen
 
 
-def test_variable_batch_size_is_refused():
+def test_variable_batch_reaches_the_module_as_fbgemms_batch_sizes(monkeypatch):
+    """A variable-stride KJT calls the module with FBGEMM's batch_size_per_feature_per_rank (and TorchRec's
+    merged output arguments), where TorchRec's base forward would give a non-FBGEMM module fixed batches."""
     _, ours = _pair()
     kernel = pc.kernels(ours)[0]
     names = [f for t in kernel.config.embedding_tables for f in t.feature_names]
@@ -130,8 +132,23 @@ def test_variable_batch_size_is_refused():
         stride_per_key_per_rank=[[2]] + [[1]] * (len(names) - 1),
     )
     assert kjt.variable_stride_per_key()
-    with pytest.raises(NotImplementedError, match="variable batch size"):
-        kernel(kjt)
+    seen = {}
+    original = type(kernel.emb_module).forward
+
+    def spy(module, *args, **kwargs):
+        seen.update(kwargs)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(type(kernel.emb_module), "forward", spy)
+    out = kernel(kjt)
+    assert seen["batch_size_per_feature_per_rank"] == [[2]] + [[1]] * (len(names) - 1)
+    assert seen["vbe_output"] is None and seen["vbe_output_offsets"] is None
+    dims = [t.local_cols for t in kernel.config.embedding_tables for _ in t.feature_names]
+    assert out.shape == (2 * dims[0] + sum(dims[1:]),)  # FBGEMM's 1-D VBE layout
+    with pytest.raises(ValueError, match="fixed-batch KJT"):
+        kernel(KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.zeros(len(names), dtype=torch.int64),
+                                                   lengths=torch.ones(len(names), dtype=torch.int64)),
+               vbe_output=torch.zeros(3))
 
 
 def test_checkpoint_interchange_one_rank():

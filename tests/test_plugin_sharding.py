@@ -142,16 +142,22 @@ def test_other_customized_kernels_reach_torchrec_untouched(one_rank):
         pc.make_dmp(plan, pc.TritonTBESharder())
 
 
-def test_sequence_tables_are_refused_with_a_clear_error(one_rank):
+def test_sequence_tables_route_to_our_kernel_through_torchrecs_own_sharder(one_rank):
+    """The routing wraps TorchRec's sequence lookup too: a plan entry with our marker builds our kernel
+    even under TorchRec's stock EmbeddingCollectionSharder (TritonTBEEmbeddingCollectionSharder adds the
+    planner offer and the multi-rank checkpoint layout; tests/test_plugin_sequence.py)."""
+    from torchrec_triton_tbe.plugin import TritonTBEEmbedding
+
     ec = EmbeddingCollection(
         tables=[EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=20, feature_names=["g0"])],
         device=torch.device("meta"),
     )
     plan = construct_module_sharding_plan(ec, {"s0": table_wise(rank=0)}, sharder=EmbeddingCollectionSharder(),
                                           local_size=1, world_size=1, device_type="cpu")
-    with pytest.raises(NotImplementedError, match="EmbeddingCollection"):
-        DistributedModelParallel(
-            torch.nn.Sequential(ec), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
-            device=torch.device("cpu"), plan=ShardingPlan({"0": use_triton_tbe(plan)}),
-            sharders=[EmbeddingCollectionSharder()],
-        )
+    dmp = DistributedModelParallel(
+        torch.nn.Sequential(ec), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+        device=torch.device("cpu"), plan=ShardingPlan({"0": use_triton_tbe(plan)}),
+        sharders=[EmbeddingCollectionSharder()],
+    )
+    kernels = [k for lookup in dmp.module[0]._lookups for k in pc._unwrap(lookup)._emb_modules]
+    assert kernels and all(type(k) is TritonTBEEmbedding for k in kernels)
