@@ -73,7 +73,11 @@ def test_option_handling():
     with pytest.raises(SystemExit):
         cli.main(["--check"])  # needs --compare fbgemm
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--pooling", "none"])
+        build_parser().parse_args(["--pooling", "max"])
+    with pytest.raises(ValueError, match="one embedding dim"):
+        BenchCase(pooling="none", mixed=True)
+    with pytest.raises(ValueError, match="batch_size_list has 2 entries for 3 tables"):
+        BenchCase(num_tables=3, batch_size_list=(4, 4))
     with pytest.raises(ValueError, match="embedding_dim_list"):
         BenchCase(num_tables=2, embedding_dim_list=(8, 8, 8))
 
@@ -125,7 +129,7 @@ def test_run_lengths_hand_built_batch():
     # B=2, T=2: table 0 bags [1, 1] and [1, 3, 3]; table 1 bags [1] and [1, 2].
     offsets = torch.tensor([0, 2, 5, 6, 8])
     indices = torch.tensor([1, 1, 1, 3, 3, 1, 1, 2])
-    assert run_lengths(indices, offsets, B=2, T=2, E=10).tolist() == [3, 2, 2, 1]
+    assert run_lengths(indices, offsets, [2, 2], [10, 10]).tolist() == [3, 2, 2, 1]
 
 
 def test_generator_reports_zipf_fallback():
@@ -276,3 +280,29 @@ def test_cli_single_case_forward_only(tmp_path):
     # Merging runs (a suite split over several commands) keeps every shape once.
     merged = merge([record, {**record, "shapes": [{**shape, "name": "other"}]}])
     assert [s["name"] for s in merged["shapes"]] == ["cli", "other"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pooling", "none", "--num-tables", "3", "--batch-size", "4", "--num-embeddings", "40", "--embedding-dim", "8",
+     "--bag-size", "3"],
+    ["--num-tables", "3", "--batch-size-list", "4,7,2", "--bag-size-list", "2,4,1", "--num-embeddings-list",
+     "30,60,7", "--embedding-dim-list", "8,12,16", "--weighted"],  # SUM: FBGEMM's CPU weighted MEAN is off
+    ["--num-tables", "2", "--batch-size", "6", "--num-embeddings-list", "20,300", "--alpha-list", "1.0,1.2",
+     "--bag-size-list", "3,1", "--embedding-dim", "8"],
+], ids=["sequence", "vbe-per-table", "per-table-fixed-batch"])
+def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
+    """--pooling none, --batch-size-list (VBE, FBGEMM's vbe command) and the per-table lists: batches per
+    table, FBGEMM's byte model per table, and --check against FBGEMM's CPU TBE."""
+    out_json = tmp_path / "r.json"
+    assert cli.main(argv + ["--iters", "2", "--compare", "fbgemm", "--check", "--optimizer",
+                            "exact_sgd,exact_rowwise_adagrad", "--json", str(out_json)]) == 0
+    shape = json.loads(out_json.read_text())["shapes"][0]
+    assert "error" not in shape, shape.get("error")
+    assert all(c["ok"] for c in shape["check"].values())
+    case = BenchCase(**{k: tuple(v) if isinstance(v, list) else v for k, v in shape["options"].items()
+                        if k not in ("num_requests",)}, num_requests=2)
+    assert shape["lookups"] == case.lookups == sum(case.batch_size_at(t) * case.bag_size_at(t) for t in range(case.num_tables))
+    assert shape["generator"]["lookups"] == case.lookups
+    if case.vbe:
+        assert shape["label"].startswith("Bvbe_")
+    assert shape["read_write_bytes"] > 0

@@ -17,3 +17,13 @@ def test_demo_ab_matches(capsys):
     for _, loss_fused, loss_triton, *_ in rows:
         assert abs(float(loss_fused) - float(loss_triton)) < 1e-5, out
     assert "MATCH" in out and "MISMATCH" not in out
+
+
+def test_demo_sequence_and_vbe_modes_match(capsys):
+    """--sequence (an EmbeddingCollection beside the bags) and --vbe (variable batch per feature) together."""
+    rc = torchrec_demo.main(["--steps", "2", "--batch-size", "4", "--num-tables", "2", "--num-embeddings", "40",
+                             "--sequence", "--vbe"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "sequence_tables=1" in out and "vbe=" in out
+    assert "MATCH" in out and "MISMATCH" not in out

@@ -8,7 +8,10 @@ EmbeddingBagCollection with SUM and MEAN tables fed Zipf-skewed ids. One plan is
 switched with ``use_fused`` / ``use_triton_tbe``; the Triton model starts from the ``fused`` model's
 checkpoint (``state_dict`` and the fused optimizer's), and at the end its own checkpoint is loaded into
 a fresh ``fused`` model, so the run exercises checkpoint interchange both ways (``--optimizer``: any
-optimizer TritonTBE implements; FBGEMM's CPU TBE has SGD, Adagrad and row-wise Adagrad). Both train on the same
+optimizer TritonTBE implements; FBGEMM's CPU TBE has SGD, Adagrad and row-wise Adagrad). ``--sequence`` adds an
+EmbeddingCollection of sequence tables next to the bags (on the Triton kernel with PoolingMode.NONE in the
+Triton plan), ``--vbe`` feeds variable-batch KJTs (each feature its own batch, inverse indices; FBGEMM's VBE
+takes SGD, row-wise Adagrad and Adam). Both train on the same
 batches; every step prints both losses, the largest embedding weight and optimizer state
 differences, and each side's time for forward + backward + optimizer.
 
@@ -37,7 +40,13 @@ from tqdm import tqdm
 
 from torchrec_triton_tbe import _env
 from torchrec_triton_tbe.demo import CPU_FUSED_OPTIMIZERS, OPTIMIZERS, skewed_ids
-from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
+from torchrec_triton_tbe.plugin import (
+    TritonTBEEmbeddingCollectionSharder,
+    TritonTBEOptions,
+    TritonTBESharder,
+    use_fused,
+    use_triton_tbe,
+)
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 
@@ -66,6 +75,11 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
                     help="ids/offsets dtype of the KJTs and of both kernels")
     ap.add_argument("--hoist-transpose", action="store_true", help="Triton option: sort ids in forward")
     ap.add_argument("--fused-bounds-check", action="store_true", help="Triton option: repair ids in forward")
+    ap.add_argument("--sequence", action="store_true",
+                    help="add an EmbeddingCollection (sequence tables, one embedding per id) next to the bags")
+    ap.add_argument("--vbe", action="store_true",
+                    help="variable batch size per feature: each feature's KJT holds its own deduplicated batch, "
+                         "expanded to the B samples by inverse indices")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -89,37 +103,82 @@ def _init_process_group(gpu: bool) -> Setup:
     return Setup(device=device, gpu=gpu, created_pg=created)
 
 
-def _tables(args):
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+@dataclass(frozen=True)
+class Tables:
+    bags: list  # EmbeddingBagConfig: the DLRM's sparse features
+    sequence: list  # EmbeddingConfig: an EmbeddingCollection next to them (--sequence), or none
 
-    return [
+
+def _tables(args) -> Tables:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+    # --vbe on a CPU: FBGEMM's CPU TBE has no merged output of several kernel groups (TorchRec's
+    # vbe_output), so every table pools the same way there: one group.
+    mean_ok = not (args.vbe and not torch.cuda.is_available())
+    bags = [
         EmbeddingBagConfig(
             name=f"t{k}",
             embedding_dim=args.embedding_dim,
             # Unequal sizes, so groups and offsets are not all alike.
             num_embeddings=args.num_embeddings // (1 + k % 3),
             feature_names=[f"f{k}"],
-            pooling=PoolingType.SUM if k % 2 == 0 else PoolingType.MEAN,
+            pooling=PoolingType.SUM if k % 2 == 0 or not mean_ok else PoolingType.MEAN,
         )
         for k in range(args.num_tables)
     ]
+    sequence = [
+        # One D (an EmbeddingCollection requires it); the first table serves two features.
+        EmbeddingConfig(name=f"s{k}", embedding_dim=args.embedding_dim, num_embeddings=args.num_embeddings // (2 + k),
+                        feature_names=[f"q{k}", f"r{k}"] if k == 0 else [f"q{k}"])
+        for k in range(max(1, args.num_tables // 2) if args.sequence else 0)
+    ]
+    return Tables(bags, sequence)
 
 
-def _model(tables, setup: Setup, dense_in: int):
+class _WithSequence(torch.nn.Module):
+    """DLRM plus sequence features: each sample's sequence embeddings, averaged per feature and summed,
+    feed one more linear term of the logit."""
+
+    def __init__(self, dlrm, ec, dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.dlrm, self.ec = dlrm, ec
+        self.proj = torch.nn.Linear(dim, 1, device=device)
+
+    def forward(self, dense_features, sparse_features, sequence_features):
+        logits = self.dlrm(dense_features=dense_features, sparse_features=sparse_features)
+        B = dense_features.shape[0]
+        pooled = torch.zeros(B, self.proj.in_features, device=dense_features.device)
+        for jt in self.ec(sequence_features).values():
+            lengths = jt.lengths().long()
+            sample = torch.repeat_interleave(torch.arange(B, device=pooled.device), lengths)
+            pooled = pooled + torch.zeros_like(pooled).index_add(0, sample, jt.values()) / lengths.clamp(min=1)[:, None]
+        return logits + self.proj(pooled)
+
+
+def _model(tables: Tables, setup: Setup, dense_in: int):
     from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    D = tables[0].embedding_dim
-    return DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+    D = tables.bags[0].embedding_dim
+    dlrm = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables.bags, device=torch.device("meta")),
         dense_in_features=dense_in,
         dense_arch_layer_sizes=[4 * D, D],
         over_arch_layer_sizes=[4 * D, 1],
         dense_device=setup.device,
     )
+    if not tables.sequence:
+        return dlrm
+    return _WithSequence(dlrm, EmbeddingCollection(tables=tables.sequence, device=torch.device("meta")), D, setup.device)
 
 
-def _plan(model, tables, sharding: str, setup: Setup):
+def _ebc_path(tables: Tables) -> str:
+    return ("dlrm." if tables.sequence else "") + "sparse_arch.embedding_bag_collection"
+
+
+def _plan(model, tables: Tables, sharding: str, setup: Setup):
+    """{module path: module plan}: the bags' and, with --sequence, the sequence tables' (which TorchRec
+    shards table-, row- or column-wise: table-row-wise plans put them table-wise)."""
     from torchrec.distributed import sharding_plan as sp
 
     generators = {
@@ -128,17 +187,25 @@ def _plan(model, tables, sharding: str, setup: Setup):
         "column_wise": lambda: sp.column_wise(ranks=[0, 0]),
         "table_row_wise": lambda: sp.table_row_wise(host_index=0),
     }
-    return sp.construct_module_sharding_plan(
-        model.sparse_arch.embedding_bag_collection,
-        {t.name: generators[sharding]() for t in tables},
-        sharder=TritonTBESharder(),
-        local_size=1,
-        world_size=1,
-        device_type=setup.device.type,
-    )
+    plans = {_ebc_path(tables): sp.construct_module_sharding_plan(
+        model.dlrm.sparse_arch.embedding_bag_collection if tables.sequence else model.sparse_arch.embedding_bag_collection,
+        {t.name: generators[sharding]() for t in tables.bags},
+        sharder=TritonTBESharder(), local_size=1, world_size=1, device_type=setup.device.type,
+    )}
+    if tables.sequence:
+        seq_sharding = "table_wise" if sharding == "table_row_wise" else sharding
+        plans["ec"] = sp.construct_module_sharding_plan(
+            model.ec, {t.name: generators[seq_sharding]() for t in tables.sequence},
+            sharder=TritonTBEEmbeddingCollectionSharder(), local_size=1, world_size=1, device_type=setup.device.type,
+        )
+    return plans
 
 
-def _dmp(tables, setup: Setup, module_plan, sharder, dense_in: int, lr: float):
+def _switch(plans: dict, convert) -> dict:
+    return {path: convert(plan) for path, plan in plans.items()}
+
+
+def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr: float):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -148,8 +215,8 @@ def _dmp(tables, setup: Setup, module_plan, sharder, dense_in: int, lr: float):
         _model(tables, setup, dense_in),
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=setup.device,
-        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}),
-        sharders=[sharder],
+        plan=ShardingPlan(plans),
+        sharders=sharders,
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=lr)
@@ -157,26 +224,37 @@ def _dmp(tables, setup: Setup, module_plan, sharder, dense_in: int, lr: float):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def _batches(tables, args, setup: Setup, dense_in: int):
+def _kjt(configs, args, g, dtype, vbe: bool):
+    """Zipf-skewed bags of every feature of ``configs``. VBE: feature f holds its own batch of B_f <= B
+    distinct samples (a per-feature deduplication, as TorchRec's VBE inputs carry), expanded to the B
+    samples by ``inverse_indices``."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    B = args.batch_size
+    keys = [f for t in configs for f in t.feature_names]
+    rows = [t.num_embeddings for t in configs for _ in t.feature_names]
+    strides = [int(torch.randint(max(1, B // 4), B + 1, (1,), generator=g)) if vbe else B for _ in keys]
+    lengths = [torch.randint(0, 2 * args.bag_size + 1, (s,), generator=g) for s in strides]
+    values = [skewed_ids(n, int(ls.sum()), args.alpha, g) for n, ls in zip(rows, lengths)]
+    if not vbe:
+        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values).to(dtype),
+                                                   lengths=torch.cat(lengths).to(dtype))
+    inverse = torch.stack([torch.randint(0, s, (B,), generator=g) for s in strides])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values).to(dtype), lengths=torch.cat(lengths).to(dtype),
+                             stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, inverse))
+
+
+def _batches(tables: Tables, args, setup: Setup, dense_in: int):
     g = torch.Generator().manual_seed(args.seed)
     dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     out = []
     for _ in range(args.steps):
-        lengths, values = [], []
-        for t in tables:
-            ls = torch.randint(0, 2 * args.bag_size + 1, (args.batch_size,), generator=g)
-            lengths.append(ls)
-            values.append(skewed_ids(t.num_embeddings, int(ls.sum()), args.alpha, g))
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=[t.feature_names[0] for t in tables],
-            values=torch.cat(values).to(dtype),
-            lengths=torch.cat(lengths).to(dtype),
-        )
+        kjt = _kjt(tables.bags, args, g, dtype, args.vbe)
+        seq = _kjt(tables.sequence, args, g, dtype, False) if tables.sequence else None
         dense = torch.randn(args.batch_size, dense_in, generator=g)
         labels = (torch.rand(args.batch_size, generator=g) < 0.3).float()
-        out.append((dense.to(setup.device), kjt.to(setup.device), labels.to(setup.device)))
+        out.append((dense.to(setup.device), kjt.to(setup.device), labels.to(setup.device),
+                    None if seq is None else seq.to(setup.device)))
     return out
 
 
@@ -197,7 +275,7 @@ def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> flo
 
 
 def _embedding_state(dmp) -> Dict[str, torch.Tensor]:
-    return {k: v for k, v in dmp.state_dict().items() if ".embedding_bags." in k}
+    return {k: v for k, v in dmp.state_dict().items() if ".embedding_bags." in k or ".embeddings." in k}
 
 
 def _optimizer_state(dmp) -> Dict[str, torch.Tensor]:
@@ -206,11 +284,12 @@ def _optimizer_state(dmp) -> Dict[str, torch.Tensor]:
 
 
 def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
-    dense, kjt, labels = batch
+    dense, kjt, labels, seq = batch
     if setup.gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    logits = dmp(dense_features=dense, sparse_features=kjt).squeeze(-1)
+    extra = {} if seq is None else {"sequence_features": seq}
+    logits = dmp(dense_features=dense, sparse_features=kjt, **extra).squeeze(-1)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
     opt.zero_grad()
     loss.backward()
@@ -236,6 +315,10 @@ def main(argv=None) -> int:
 
 
 def _run(args, setup: Setup) -> int:
+    if not setup.gpu and args.vbe and args.index_dtype == "int32":
+        # fbgemm-gpu-cpu 1.9.0 corrupts its heap on variable batches of int32 ids ("free(): invalid next size").
+        raise SystemExit("--vbe with --index-dtype int32: FBGEMM's CPU TBE (the 'fused' side without a GPU) "
+                         "corrupts its heap on it; use int64 ids on a CPU")
     if not setup.gpu and args.optimizer not in CPU_FUSED_OPTIMIZERS:
         raise SystemExit(f"--optimizer {args.optimizer}: FBGEMM's CPU TBE (the 'fused' side without a GPU) "
                          f"implements only {', '.join(CPU_FUSED_OPTIMIZERS)}; run it on a GPU")
@@ -251,11 +334,12 @@ def _run(args, setup: Setup) -> int:
     options = TritonTBEOptions(
         index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check
     )
-    sharder = TritonTBESharder(fused_params=fused_params)
+    sharders = [TritonTBESharder(fused_params=fused_params), TritonTBEEmbeddingCollectionSharder(fused_params=fused_params)]
     plan = _plan(_model(tables, setup, dense_in), tables, args.sharding, setup)
 
-    fused, fused_opt = _dmp(tables, setup, use_fused(plan), sharder, dense_in, args.learning_rate)
-    ours, our_opt = _dmp(tables, setup, use_triton_tbe(plan, options=options), sharder, dense_in, args.learning_rate)
+    fused, fused_opt = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate)
+    ours, our_opt = _dmp(tables, setup, _switch(plan, lambda p: use_triton_tbe(p, options=options)), sharders,
+                         dense_in, args.learning_rate)
     # The Triton model starts from the fused model's checkpoint: weights, dense layers, optimizer state.
     result = ours.load_state_dict(copy.deepcopy(fused.state_dict()))
     if result.missing_keys or result.unexpected_keys:
@@ -265,11 +349,13 @@ def _run(args, setup: Setup) -> int:
 
     where = ("GPU: compiled Triton vs FBGEMM CUDA TBE" if setup.gpu
              else "CPU: Triton interpreter vs FBGEMM CPU TBE")
-    pooling = ",".join(t.pooling.name for t in tables)
+    pooling = ",".join(t.pooling.name for t in tables.bags)
     print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}")
-    print(f"tables={len(tables)} rows<={args.num_embeddings} dim={args.embedding_dim} pooling={pooling} "
+    print(f"tables={len(tables.bags)} rows<={args.num_embeddings} dim={args.embedding_dim} pooling={pooling} "
           f"B={args.batch_size} mean L={args.bag_size} alpha={args.alpha} sharding={args.sharding} "
-          f"optimizer={args.optimizer} ids={args.index_dtype} options={options}")
+          f"optimizer={args.optimizer} ids={args.index_dtype} options={options}"
+          + (f" sequence_tables={len(tables.sequence)}" if tables.sequence else "")
+          + (" vbe=variable batch per feature" if args.vbe else ""))
     head = (f"{'step':>4} {'loss fused':>11} {'loss triton':>11} {'max|dW|rel':>10} {'max|dS|rel':>10} "
             f"{'ms fused':>9} {'ms triton':>9}")
     print(head)
@@ -296,7 +382,7 @@ def _run(args, setup: Setup) -> int:
           + ("" if setup.gpu else "  (CPU: Triton's interpreter, not kernels)"))
     # The other direction of the checkpoint interchange: the trained Triton model's state into a fresh
     # fused model must be exact.
-    back, _ = _dmp(tables, setup, use_fused(plan), sharder, dense_in, args.learning_rate)
+    back, _ = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate)
     result = back.load_state_dict(copy.deepcopy(ours.state_dict()))
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(f"checkpoint interchange failed: {result}")

@@ -46,8 +46,14 @@ class Workload:
     case: BenchCase
     Ds: tuple[int, ...]
     requests: tuple[TBERequest, ...]
-    grad_output: torch.Tensor  # fixed [B, sum(Ds)] gradient for the backward passes
+    grad_output: torch.Tensor  # fixed gradient for the backward passes: [B, sum(Ds)]; VBE 1-D; NONE [N, D]
     stats: dict[str, Any]
+
+    @property
+    def batch_size_per_feature_per_rank(self):
+        """FBGEMM's VBE argument (one rank, as its vbe command), or None for a fixed batch."""
+        case = self.case
+        return [[case.batch_size_at(t)] for t in range(case.num_tables)] if case.vbe else None
 
     @property
     def D_logged(self):
@@ -76,32 +82,51 @@ def _fbgemm_warnings() -> Iterator[list[str]]:
         root.removeHandler(handler)
 
 
+def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha: float, device: torch.device):
+    try:
+        return generate_requests(
+            count, B, T, L, E, reuse=case.reuse, alpha=alpha, weighted=case.weighted,
+            use_cpu=device.type == "cpu", index_dtype=torch.long, offset_dtype=torch.long,
+        )
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        if alpha > 1.0 and "zipf" in str(exc).lower():
+            raise RuntimeError(
+                f"{case.name}: FBGEMM's Zipf generator (alpha={alpha}) needs torch.ops.fbgemm.zipf_cuda from "
+                f"a CUDA build of fbgemm_gpu when CUDA is available; use alpha <= 1 or install fbgemm-gpu (CUDA)"
+            ) from exc
+        raise
+
+
+def _concatenated(per_table: list) -> list:
+    """FBGEMM's vbe command: each request's tables laid end to end (offsets shifted, the first of every
+    table after the first dropped)."""
+    out = []
+    for parts in zip(*per_table):
+        indices, offsets, weights, shift = [], [], [], 0
+        for t, r in enumerate(parts):
+            indices.append(r.indices)
+            offsets.append(r.offsets[(1 if t else 0):] + shift)
+            shift += int(r.offsets[-1])
+            if r.per_sample_weights is not None:
+                weights.append(r.per_sample_weights)
+        out.append(TBERequest(torch.cat(indices), torch.cat(offsets), torch.cat(weights) if weights else None))
+    return out
+
+
 def make_workload(case: BenchCase, device: torch.device) -> Workload:
     np.random.seed(42)
     torch.manual_seed(42)
     Ds = case.table_dims()
-    try:
-        with _fbgemm_warnings() as messages:
-            requests = generate_requests(
-                case.requests_count,
-                case.batch_size,
-                case.num_tables,
-                case.bag_size,
-                case.num_embeddings,
-                reuse=case.reuse,
-                alpha=case.alpha,
-                weighted=case.weighted,
-                use_cpu=device.type == "cpu",
-                index_dtype=torch.long,
-                offset_dtype=torch.long,
-            )
-    except (AttributeError, RuntimeError, NotImplementedError) as exc:
-        if case.alpha > 1.0 and "zipf" in str(exc).lower():
-            raise RuntimeError(
-                f"{case.name}: FBGEMM's Zipf generator (alpha={case.alpha}) needs torch.ops.fbgemm.zipf_cuda from "
-                f"a CUDA build of fbgemm_gpu when CUDA is available; use alpha <= 1 or install fbgemm-gpu (CUDA)"
-            ) from exc
-        raise
+    with _fbgemm_warnings() as messages:
+        if case.per_table:
+            requests = _concatenated([
+                _generate(case, case.requests_count, case.batch_size_at(t), 1, case.bag_size_at(t),
+                          case.num_embeddings_at(t), case.alpha_at(t), device)
+                for t in range(case.num_tables)
+            ])
+        else:
+            requests = _generate(case, case.requests_count, case.batch_size, case.num_tables, case.bag_size,
+                                 case.num_embeddings, case.alpha, device)
     requests = tuple(
         TBERequest(
             r.indices.to(device),
@@ -110,31 +135,45 @@ def make_workload(case: BenchCase, device: torch.device) -> Workload:
         )
         for r in requests
     )
-    grad_output = torch.randn(case.batch_size, sum(Ds)).to(device)
+    if case.pooling == "none":
+        grad_output = torch.randn(requests[0].indices.numel(), Ds[0])
+    elif case.vbe:
+        grad_output = torch.randn(sum(case.batch_size_at(t) * d for t, d in enumerate(Ds)))
+    else:
+        grad_output = torch.randn(case.batch_size, sum(Ds))
     stats = generator_stats(case, requests[0], messages)
-    return Workload(case, tuple(Ds), requests, grad_output, stats)
+    return Workload(case, tuple(Ds), requests, grad_output.to(device), stats)
 
 
-def run_lengths(indices: torch.Tensor, offsets: torch.Tensor, B: int, T: int, E: int) -> torch.Tensor:
-    """Lookups per distinct (table, row) in one batch: the runs the backward sorts ids into."""
-    per_table = offsets[B :: B] - offsets[: -1 : B]  # lookups of each table (offsets are feature-major)
+def run_lengths(indices: torch.Tensor, offsets: torch.Tensor, bags_per_table, E) -> torch.Tensor:
+    """Lookups per distinct (table, row) in one batch: the runs the backward sorts ids into.
+    ``bags_per_table``: one B for every table, or a list; ``E``: rows, one for all tables or a list."""
+    T = len(bags_per_table)
+    starts = torch.tensor([0] + list(np.cumsum(bags_per_table)), device=offsets.device)
+    per_table = offsets[starts[1:]] - offsets[starts[:-1]]  # lookups of each table (offsets are feature-major)
     table = torch.repeat_interleave(torch.arange(T, device=indices.device), per_table)
-    linear = table.to(torch.int64) * E + indices.to(torch.int64)
+    row_base = torch.tensor([0] + list(np.cumsum(E))[:-1], device=indices.device, dtype=torch.int64)
+    linear = row_base[table] + indices.to(torch.int64)
     _, counts = torch.unique(linear, return_counts=True)
     return counts
 
 
 def generator_stats(case: BenchCase, request: TBERequest, warnings: list[str]) -> dict[str, Any]:
     """Run structure of the first batch, and whether a Zipf request fell back to uniform ids."""
-    counts = run_lengths(request.indices, request.offsets, case.batch_size, case.num_tables, case.num_embeddings)
+    T = case.num_tables
+    counts = run_lengths(request.indices, request.offsets, [case.batch_size_at(t) for t in range(T)],
+                         [case.num_embeddings_at(t) for t in range(T)])
     lookups = int(request.indices.numel())
     long_mask = counts >= LONG_RUN
     short_mask = counts < SHORT_RUN
-    fallback = any("falling back to uniform" in m.lower() for m in warnings) if case.alpha > 1.0 else None
-    if case.alpha <= 1.0:
+    zipf = any(case.alpha_at(t) > 1.0 for t in range(T))
+    fallback = any("falling back to uniform" in m.lower() for m in warnings) if zipf else None
+    if not zipf:
         distribution = "uniform"
+    elif fallback:
+        distribution = "uniform (Zipf fallback)"
     else:
-        distribution = "uniform (Zipf fallback)" if fallback else f"zipf({case.alpha:g})"
+        distribution = f"zipf({case.alpha:g})" if case.alpha_list is None else "zipf(per table)"
     runs = int(counts.numel())
     return {
         "of_batch": 0,

@@ -3,10 +3,12 @@
 Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings_benchmark.py device``
 (``TbeBenchClickInterface.common_options / table_options / device_options`` plus the ``device``
 command's own options), so a command line written for FBGEMM's benchmark means the same here.
-Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
+Per-table ``--num-embeddings-list``, ``--bag-size-list``, ``--alpha-list`` and ``--batch-size-list`` (a
+variable batch per feature) draw the batches table by table, as FBGEMM's ``device-with-spec`` and
+``vbe`` commands. Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
 Adagrad or EXACT_ADAGRAD, which map onto it; here every optimizer TritonTBE implements, by FBGEMM's
-EmbOptimType names in lower case), pooling ``none`` and the weight types FBGEMM quantizes (int8, fp8,
-...) are not offered because TritonTBE does not implement them.
+EmbOptimType names in lower case); the weight types FBGEMM quantizes (int8, fp8, ...) are not offered
+because TritonTBE does not implement them.
 
 Precedence when a suite is used: FBGEMM's defaults < the suite's ``defaults`` < the shape entry <
 options given explicitly on the command line (so ``--suite h200 --iters 20`` shortens every shape).
@@ -26,6 +28,8 @@ import yaml
 OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad", "exact_adagrad", "adam", "partial_rowwise_adam", "lamb",
               "partial_rowwise_lamb", "lars_sgd")
 PASSES = ("fwd", "bwd")
+POOLINGS = ("sum", "mean", "none")
+LIST_FIELDS = ("embedding_dim_list", "num_embeddings_list", "bag_size_list", "alpha_list", "batch_size_list")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -49,6 +53,14 @@ class BenchCase:
     bounds_check_mode: int = 3  # FBGEMM's BoundsCheckMode: 3 = NONE
     mixed: bool = False  # FBGEMM's --mixed: D_t = round_up(randint(0.5 D, 1.5 D), 4), np seed 42
     embedding_dim_list: Optional[tuple[int, ...]] = None  # explicit per-table D (FBGEMM's device-with-spec)
+    # Per-table lists (FBGEMM's device-with-spec / vbe): rows, bag sizes, Zipf alphas, and batch sizes. Any
+    # of them makes the batches per table, FBGEMM's vbe way (generate_requests(B_t, 1 table, L_t, E_t,
+    # alpha_t) per table, concatenated); batch_size_list makes the batch variable per feature (VBE, one
+    # rank: batch_size_per_feature_per_rank = [[B_t]], FBGEMM's vbe command).
+    num_embeddings_list: Optional[tuple[int, ...]] = None
+    bag_size_list: Optional[tuple[int, ...]] = None
+    alpha_list: Optional[tuple[float, ...]] = None
+    batch_size_list: Optional[tuple[int, ...]] = None
     stoc: bool = False
     reuse: float = 0.0
     iters: int = 100
@@ -69,8 +81,21 @@ class BenchCase:
             problems.append("warmup_runs must be >= 0")
         if self.num_requests == 0 or self.num_requests < -1:
             problems.append("num_requests must be >= 1 (or -1 for iters)")
-        if self.pooling not in ("sum", "mean"):
-            problems.append(f"pooling {self.pooling!r}: TritonTBE supports sum and mean")
+        if self.pooling not in POOLINGS:
+            problems.append(f"pooling {self.pooling!r}: choose from {', '.join(POOLINGS)}")
+        for field in LIST_FIELDS:
+            values = getattr(self, field)
+            if values is not None and len(values) != self.num_tables:
+                problems.append(f"{field} has {len(values)} entries for {self.num_tables} tables")
+        for field in ("num_embeddings_list", "batch_size_list"):
+            if any(v < 1 for v in getattr(self, field) or ()):
+                problems.append(f"{field} entries must be >= 1")
+        if any(v < 0 for v in self.bag_size_list or ()):
+            problems.append("bag_size_list entries must be >= 0")
+        if self.pooling == "none" and (self.mixed or len(set(self.table_dims_static())) > 1):
+            problems.append("pooling none needs one embedding dim for every table (FBGEMM's sequence kernels)")
+        if self.pooling == "none" and self.batch_size_list is not None:
+            problems.append("pooling none with batch_size_list: FBGEMM has no variable batch for sequence lookups")
         for field in ("weights_precision", "output_dtype"):
             if getattr(self, field) not in PRECISIONS:
                 problems.append(f"{field} {getattr(self, field)!r}: TritonTBE supports {', '.join(PRECISIONS)}")
@@ -89,8 +114,11 @@ class BenchCase:
                 )
             if any(d < 1 or d % 4 for d in self.embedding_dim_list):
                 problems.append("embedding_dim_list entries must be positive multiples of 4 (as FBGEMM requires)")
-        if self.alpha > 1.0 and self.num_embeddings < self.bag_size:
-            problems.append("Zipf ids need num_embeddings >= bag_size (FBGEMM's generator asserts it)")
+        for t in range(self.num_tables):
+            E, L, alpha = self.num_embeddings_at(t), self.bag_size_at(t), self.alpha_at(t)
+            if alpha > 1.0 and E < L:
+                problems.append(f"table {t}: Zipf ids need num_embeddings >= bag_size (FBGEMM's generator asserts it)")
+                break
         if problems:
             raise ValueError(f"benchmark case {self.name!r}: " + "; ".join(problems))
 
@@ -99,8 +127,34 @@ class BenchCase:
         return self.iters if self.num_requests == -1 else self.num_requests
 
     @property
+    def per_table(self) -> bool:
+        """Whether the batches are drawn table by table (any per-table list but the dims)."""
+        return any(getattr(self, f) is not None for f in LIST_FIELDS if f != "embedding_dim_list")
+
+    @property
+    def vbe(self) -> bool:
+        return self.batch_size_list is not None
+
+    def batch_size_at(self, t: int) -> int:
+        return self.batch_size if self.batch_size_list is None else self.batch_size_list[t]
+
+    def num_embeddings_at(self, t: int) -> int:
+        return self.num_embeddings if self.num_embeddings_list is None else self.num_embeddings_list[t]
+
+    def bag_size_at(self, t: int) -> int:
+        return self.bag_size if self.bag_size_list is None else self.bag_size_list[t]
+
+    def alpha_at(self, t: int) -> float:
+        return self.alpha if self.alpha_list is None else self.alpha_list[t]
+
+    @property
     def lookups(self) -> int:
-        return self.batch_size * self.num_tables * self.bag_size
+        return sum(self.batch_size_at(t) * self.bag_size_at(t) for t in range(self.num_tables))
+
+    def table_dims_static(self) -> list[int]:
+        """Per-table D where it is known without drawing (explicit list or one D); mixed: unknown (one
+        entry per table of the base D, only for validation)."""
+        return list(self.embedding_dim_list) if self.embedding_dim_list is not None else [self.embedding_dim]
 
     def table_dims(self) -> list[int]:
         """Per-table D. For ``mixed`` this draws from NumPy's global generator exactly as FBGEMM's
@@ -114,27 +168,33 @@ class BenchCase:
         return [self.embedding_dim] * self.num_tables
 
     def label(self) -> str:
-        """Self-describing label, e.g. ``B65536_T32_E1000000_D128_L20_a1.15_fp16``."""
+        """Self-describing label, e.g. ``B65536_T32_E1000000_D128_L20_a1.15_fp16`` ("list" where a
+        per-table list replaces the value)."""
         d = "mixed" if self.mixed else ("list" if self.embedding_dim_list else str(self.embedding_dim))
+        b = "vbe" if self.vbe else str(self.batch_size)
+        e = "list" if self.num_embeddings_list else str(self.num_embeddings)
+        L = "list" if self.bag_size_list else str(self.bag_size)
+        a = "list" if self.alpha_list else f"{self.alpha:g}"
         extra = "".join([
             "_w" if self.weighted else "",
             "_i32" if self.indices_dtype == 32 else "",
-            "_mean" if self.pooling == "mean" else "",
+            f"_{self.pooling}" if self.pooling != "sum" else "",
         ])
-        return (f"B{self.batch_size}_T{self.num_tables}_E{self.num_embeddings}_D{d}_L{self.bag_size}"
-                f"_a{self.alpha:g}_{self.weights_precision}{extra}")
+        return f"B{b}_T{self.num_tables}_E{e}_D{d}_L{L}_a{a}_{self.weights_precision}{extra}"
 
     def options(self) -> dict[str, Any]:
         """JSON-friendly options, with num_requests resolved."""
         out = dataclasses.asdict(self)
         out["num_requests"] = self.requests_count
-        for key in ("optimizers", "passes", "embedding_dim_list"):
+        for key in ("optimizers", "passes", *LIST_FIELDS):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
 
 
 CASE_FIELDS = tuple(f.name for f in dataclasses.fields(BenchCase) if f.name != "name")
+LIST_KINDS = {"embedding_dim_list": int, "num_embeddings_list": int, "bag_size_list": int, "alpha_list": float,
+              "batch_size_list": int}
 
 
 def _round_up(a: int, b: int) -> int:
@@ -183,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FBGEMM compatibility: --row-wise = --optimizer exact_rowwise_adagrad (the default); "
                    "--no-row-wise = --optimizer exact_adagrad")
     g.add_argument("--weighted", action="store_true", default=default.weighted)
-    g.add_argument("--pooling", choices=("sum", "mean"), default=default.pooling)
+    g.add_argument("--pooling", choices=POOLINGS, default=default.pooling,
+                   help="none: sequence lookups (one output row per id; every table one D)")
     g.add_argument("--bounds-check-mode", type=int, default=default.bounds_check_mode,
                    help="FBGEMM's BoundsCheckMode: 0 FATAL, 1 WARNING, 2 IGNORE, 3 NONE (default)")
     g.add_argument("--output-dtype", choices=PRECISIONS, default=default.output_dtype)
@@ -198,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "FBGEMM's --row-wise)")
     x.add_argument("--embedding-dim-list", type=_comma_list(int), default=None,
                    help="explicit per-table D, comma-separated (as FBGEMM's device-with-spec)")
+    x.add_argument("--num-embeddings-list", type=_comma_list(int), default=None, help="per-table rows (E)")
+    x.add_argument("--bag-size-list", type=_comma_list(int), default=None, help="per-table bag sizes (L)")
+    x.add_argument("--alpha-list", type=_comma_list(float), default=None, help="per-table Zipf alphas")
+    x.add_argument("--batch-size-list", type=_comma_list(int), default=None,
+                   help="per-table batch sizes: a variable batch per feature (VBE), as FBGEMM's vbe command")
     x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
                    help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
     x.add_argument("--compare", choices=("fbgemm",), default=None,
@@ -240,8 +306,10 @@ def case_from_mapping(values: Mapping[str, Any], name: str) -> BenchCase:
             raise ValueError(f"{name}: unknown option {key!r}; known: {', '.join(CASE_FIELDS)}")
         if field in ("optimizers", "passes"):
             value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
-        elif field == "embedding_dim_list" and value is not None:
-            value = tuple(int(d) for d in (value.split(",") if isinstance(value, str) else value))
+        elif field in LIST_KINDS and value is not None:
+            kind = LIST_KINDS[field]
+            value = tuple(kind(float(d)) if kind is int else kind(d)
+                          for d in (value.split(",") if isinstance(value, str) else value))
         elif field in ("num_embeddings", "batch_size", "num_tables", "embedding_dim", "bag_size") and \
                 isinstance(value, float):
             if not value.is_integer():  # YAML reads 1e6 as a float

@@ -41,6 +41,16 @@ def read_write_bytes(B: int, Ds: Sequence[int], L: float, weights_precision: str
     return out * B * sum(Ds) * out_rows + param * B * sum(Ds) * L
 
 
+def case_bytes(case, Ds: Sequence[int]) -> float:
+    """read_write_bytes of a case, table by table where it has per-table batch or bag sizes (FBGEMM's
+    formula summed over tables: out * B_t * D_t * rows + param * B_t * D_t * L_t, rows = L_t for NONE)."""
+    if not case.per_table:
+        return read_write_bytes(case.batch_size, Ds, case.bag_size, case.weights_precision, case.output_dtype,
+                                pooled=case.pooling != "none")
+    return sum(read_write_bytes(case.batch_size_at(t), [d], case.bag_size_at(t), case.weights_precision,
+                                case.output_dtype, pooled=case.pooling != "none") for t, d in enumerate(Ds))
+
+
 def gbps(nbytes: float, ms: float, backward: bool = False) -> float:
     return (2 if backward else 1) * nbytes / (ms * 1e-3) / 1e9
 

@@ -25,12 +25,12 @@ from torchrec_triton_tbe._fbgemm import (
 )
 from torchrec_triton_tbe.bench.batches import Workload
 from torchrec_triton_tbe.bench.case import OPTIMIZERS
-from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, gbps, log_line, read_write_bytes
+from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps, log_line
 from torchrec_triton_tbe.bench.timing import time_steps
 from torchrec_triton_tbe.module import TritonTBE
 
 _OPTIMIZER = {name: EmbOptimType[name.upper()] for name in OPTIMIZERS}
-_POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}
+_POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}
 # --check tolerances by the least precise dtype involved. Forward: FBGEMM's forward tests (1e-5 for
 # fp32, 8e-3 otherwise; bf16 looser by its 3 fewer mantissa bits). Weights after one update: the
 # package's test table, fp32 loosened for runs of ~10^4 lookups summed in a different order.
@@ -67,8 +67,9 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
         pooling_mode=_POOLING[case.pooling],
         bounds_check_mode=BoundsCheckMode(case.bounds_check_mode),
     )
+    rows = [case.num_embeddings_at(t) for t in range(case.num_tables)]
     ours = TritonTBE(
-        [(case.num_embeddings, d) for d in w.Ds],
+        list(zip(rows, w.Ds)),
         device=opts.device,
         kernel_config=opts.kernel_config,
         fused_bounds_check=opts.fused_bounds_check,
@@ -87,7 +88,7 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
         location = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if cuda
                     else (EmbeddingLocation.HOST, ComputeDevice.CPU))
         fbgemm = SplitTableBatchedEmbeddingBagsCodegen(
-            [(case.num_embeddings, d, *location) for d in w.Ds],
+            [(e, d, *location) for e, d in zip(rows, w.Ds)],
             cache_algorithm=CacheAlgorithm.LRU,
             cache_load_factor=0.2,
             **common,
@@ -103,7 +104,10 @@ def _call(module: torch.nn.Module, w: Workload, i: int) -> torch.Tensor:
     r = w.requests[i % len(w.requests)]
     # As FBGEMM's benchmark: the batches are int64; --indices-dtype 32 casts inside the timed call.
     dt = torch.int32 if w.case.indices_dtype == 32 else torch.int64
-    return module(r.indices.to(dt), r.offsets.to(dt), r.per_sample_weights)
+    vbe = w.batch_size_per_feature_per_rank
+    if vbe is None:
+        return module(r.indices.to(dt), r.offsets.to(dt), r.per_sample_weights)
+    return module(r.indices.to(dt), r.offsets.to(dt), r.per_sample_weights, batch_size_per_feature_per_rank=vbe)
 
 
 def forward_step(module: torch.nn.Module, w: Workload) -> Callable[[int], Callable[[], object]]:
@@ -178,13 +182,18 @@ def _merge(parts: list[dict]) -> dict:
 def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
              baseline_ms: Optional[dict[str, float]] = None) -> dict[str, Any]:
     case = w.case
-    B, T, E, L = case.batch_size, case.num_tables, case.num_embeddings, case.bag_size
-    rw_bytes = read_write_bytes(B, w.Ds, L, case.weights_precision, case.output_dtype)
+    T = case.num_tables
+    # FBGEMM's log line prints one B, E and L: per-table lists show as their mean.
+    B = round(sum(case.batch_size_at(t) for t in range(T)) / T)
+    E = round(sum(case.num_embeddings_at(t) for t in range(T)) / T)
+    L = round(sum(case.bag_size_at(t) for t in range(T)) / T)
+    rw_bytes = case_bytes(case, w.Ds)
     param_bytes = BYTES_PER_ELEMENT[case.weights_precision]
-    nparams = sum(d * E for d in w.Ds)
+    nparams = sum(d * case.num_embeddings_at(t) for t, d in enumerate(w.Ds))
+    accessed = sum(case.batch_size_at(t) * d * case.bag_size_at(t) for t, d in enumerate(w.Ds)) * param_bytes
     # FBGEMM's two header lines, same wording.
     emit(f"[{case.name}] Embedding parameters: {nparams / 1.0e9: .2f} GParam, {nparams * param_bytes / 1.0e9: .2f} GB")
-    emit(f"[{case.name}] Accessed weights per batch: {B * sum(w.Ds) * L * param_bytes / 1.0e9: .2f} GB")
+    emit(f"[{case.name}] Accessed weights per batch: {accessed / 1.0e9: .2f} GB")
     stats = w.stats
     emit(f"[{case.name}] batches: {stats['distribution']}, {stats['unique_rows']} runs, max run "
          f"{stats['max_run_length']}, {stats['lookups_in_runs_ge_256_frac']:.1%} of lookups in runs >= 256, "
