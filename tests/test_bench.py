@@ -184,8 +184,23 @@ def test_suites_have_the_required_shapes():
     assert sum(1 for s in shapes if s.baseline_ms) == len(required)
     for s in shapes:
         c = s.case
-        assert (c.output_dtype, c.pooling, c.bounds_check_mode) == ("fp32", "sum", 3)
+        assert (c.output_dtype, c.bounds_check_mode) == ("fp32", 3)
         assert c.optimizers == ("exact_sgd", "exact_rowwise_adagrad") and c.passes == ("fwd", "bwd")
+    # Issue 11: a sequence shape and a variable-batch one; issue 14: production-shaped ones (many tables,
+    # mixed dims with tiny and non-power-of-two widths, bag sizes from 1 to over 100, rows from a handful
+    # to millions), a many-table small-batch one with 1-8 M lookups, a DLRM-style one.
+    cases = [s.case for s in shapes]
+    assert any(c.pooling == "none" for c in cases) and any(c.vbe for c in cases)
+    prod = [c for c in cases if c.embedding_dim_list and c.bag_size_list and c.num_embeddings_list]
+    assert {c.batch_size for c in prod} >= {16384, 65536, 2048}
+    for c in prod:
+        dims, Ls, Es = set(c.embedding_dim_list), c.bag_size_list, c.num_embeddings_list
+        assert c.num_tables >= 24 and {4, 8} <= dims and any(d & (d - 1) for d in dims)
+        assert min(Ls) == 1 and max(Ls) > 100 and min(Es) < 64 and max(Es) > 5_000_000
+    assert any(1_000_000 <= c.lookups <= 8_000_000 and c.num_tables >= 50 for c in prod)
+    dlrm = by_name["dlrm_t26_l1"].case
+    assert dlrm.num_tables == 26 and dlrm.bag_size == 1
+    for s in shapes:
         if s.baseline_ms:
             assert set(s.baseline_ms) == {"fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"}
     mixed = by_name["mixed_d32_256_zipf115"].case

@@ -1,0 +1,149 @@
+"""Sequence lookups (PoolingMode.NONE) and variable batch per feature (VBE) on the GPU against FBGEMM's
+CUDA TBE: outputs, weights and optimizer state after several steps on skewed batches (short and long
+runs), fp32 / fp16 weights, int32 / int64 ids, merged VBE output; sync-free steps."""
+
+import logging
+
+import pytest
+import torch
+
+from torchrec_triton_tbe._fbgemm import ComputeDevice, EmbeddingLocation, EmbOptimType, PoolingMode, SparseType
+from torchrec_triton_tbe.module import TritonTBE
+
+logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
+DEV = torch.device("cuda")
+RWA, SGD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD
+TOL = {SparseType.FP32: dict(atol=1e-4, rtol=1e-4), SparseType.FP16: dict(atol=1e-2, rtol=2e-2)}
+
+
+def pair(specs, ftm, **kw):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    ours = TritonTBE(specs, feature_table_map=ftm, device=DEV, **kw)
+    fb = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in specs], feature_table_map=ftm, device=DEV, **kw
+    )
+    ours.init_embedding_weights_uniform(-0.5, 0.5)
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        b.copy_(a)
+    return ours, fb
+
+
+def skewed(rows_per_feature, bags_per_feature, seed, L=12):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.randint(0, 2 * L, (n,), generator=g) for n in bags_per_feature])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    ids, begin = [], 0
+    for rows, n in zip(rows_per_feature, bags_per_feature):
+        k = int(lengths[begin : begin + n].sum())
+        begin += n
+        ids.append((rows * torch.rand(k, generator=g) ** 4).long())  # heavy head: long runs
+    return torch.cat(ids).to(DEV), offsets.to(DEV)
+
+
+def compare(ours, fb, weights, what):
+    for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), fb.split_embedding_weights())):
+        torch.testing.assert_close(a.float(), b.float(), **TOL[weights], msg=lambda m: f"{what} table {t}: {m}")
+    for a, b in zip(ours.split_optimizer_states(), fb.split_optimizer_states()):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-3)
+
+
+SEQ_SPECS = [(20_000, 128), (5_000, 128), (300, 128)]
+SEQ_FTM = [0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("optimizer,weights,index_dtype", [
+    (RWA, SparseType.FP16, torch.int64), (SGD, SparseType.FP32, torch.int32), (EmbOptimType.ADAM, SparseType.FP32,
+                                                                               torch.int64),
+])
+def test_sequence_matches_fbgemm_cuda(optimizer, weights, index_dtype):
+    ours, fb = pair(SEQ_SPECS, SEQ_FTM, pooling_mode=PoolingMode.NONE, weights_precision=weights, optimizer=optimizer,
+                    learning_rate=0.05, eps=0.1, stochastic_rounding=False, embedding_table_index_type=index_dtype)
+    ours.collect_backward_stats = True
+    B = 512
+    for step in range(3):
+        idx, off = skewed([SEQ_SPECS[k][0] for k in SEQ_FTM], [B] * len(SEQ_FTM), step)
+        idx, off = idx.to(index_dtype), off.to(index_dtype)
+        o1, o2 = ours(idx.clone(), off.clone()), fb(idx.clone(), off.clone())
+        assert o1.shape == o2.shape == (idx.numel(), 128)
+        torch.testing.assert_close(o1, o2, **TOL[weights])
+        grad = torch.randn_like(o1)
+        o1.backward(grad)
+        o2.backward(grad)
+    stats = ours.backward_stats()
+    assert stats["short_runs"] > 0 and stats["long_runs"] > 0, stats
+    compare(ours, fb, weights, f"sequence {optimizer.name}")
+
+
+VBE_SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
+VBE_FTM = [0, 1, 1, 2, 3]
+SIZES = [[700, 300], [64, 900], [512, 0], [3, 1000], [256, 256]]
+
+
+@pytest.mark.parametrize("pooling,weighted,weights,optimizer", [
+    (PoolingMode.SUM, False, SparseType.FP16, RWA), (PoolingMode.MEAN, True, SparseType.FP32, SGD),
+    (PoolingMode.SUM, True, SparseType.FP32, EmbOptimType.ADAM),
+])
+def test_vbe_matches_fbgemm_cuda(pooling, weighted, weights, optimizer):
+    ours, fb = pair(VBE_SPECS, VBE_FTM, pooling_mode=pooling, weights_precision=weights, optimizer=optimizer,
+                    learning_rate=0.05, eps=0.1, stochastic_rounding=False)
+    ours.collect_backward_stats = True
+    for step in range(3):
+        idx, off = skewed([VBE_SPECS[k][0] for k in VBE_FTM], [sum(r) for r in SIZES], 10 + step)
+        psw = torch.rand(idx.numel(), device=DEV) if weighted else None
+        o1 = ours(idx.clone(), off.clone(), psw, batch_size_per_feature_per_rank=SIZES)
+        o2 = fb(idx.clone(), off.clone(), psw, batch_size_per_feature_per_rank=SIZES)
+        assert o1.shape == o2.shape and o1.dim() == 1
+        torch.testing.assert_close(o1, o2, **TOL[weights])
+        grad = torch.randn_like(o1)
+        o1.backward(grad)
+        o2.backward(grad)
+    stats = ours.backward_stats()
+    assert stats["short_runs"] > 0 and stats["long_runs"] > 0, stats
+    compare(ours, fb, weights, f"VBE {pooling.name} {optimizer.name}")
+
+
+def test_merged_vbe_output_matches_fbgemm_cuda():
+    """TorchRec's merged output: both write their blocks into a shared buffer at the given offsets."""
+    ours, fb = pair(VBE_SPECS, VBE_FTM, optimizer=RWA, learning_rate=0.05, eps=0.1, stochastic_rounding=False)
+    idx, off = skewed([VBE_SPECS[k][0] for k in VBE_FTM], [sum(r) for r in SIZES], 20)
+    T, R = len(VBE_FTM), 2
+    dims = [VBE_SPECS[k][1] for k in VBE_FTM]
+    table, pos = torch.zeros(R, T, dtype=torch.int64), 16  # another kernel's 16 elements first
+    for r in range(R):
+        for t in range(T):
+            table[r, t] = pos
+            pos += SIZES[t][r] * dims[t]
+    outs = []
+    for m in (ours, fb):
+        buf = torch.zeros(pos, device=DEV)
+        out = m(idx.clone(), off.clone(), batch_size_per_feature_per_rank=SIZES, vbe_output=buf,
+                vbe_output_offsets=table.to(DEV))
+        assert out.data_ptr() == buf.data_ptr()
+        out.backward(torch.ones_like(out))
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    compare(ours, fb, SparseType.FP32, "merged VBE")
+
+
+def test_sequence_and_vbe_steps_are_sync_free():
+    seq = TritonTBE(SEQ_SPECS, feature_table_map=SEQ_FTM, device=DEV, pooling_mode=PoolingMode.NONE, optimizer=RWA)
+    vbe = TritonTBE(VBE_SPECS, feature_table_map=VBE_FTM, device=DEV, optimizer=RWA)
+    s_batch = skewed([SEQ_SPECS[k][0] for k in SEQ_FTM], [256] * len(SEQ_FTM), 1)
+    v_batch = skewed([VBE_SPECS[k][0] for k in VBE_FTM], [sum(r) for r in SIZES], 2)
+    def step():
+        out = seq(*s_batch)
+        out.backward(torch.ones_like(out))
+        out = vbe(*v_batch, batch_size_per_feature_per_rank=SIZES)
+        out.backward(torch.ones_like(out))
+
+    step()  # compiles, fills the caching allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
