@@ -16,8 +16,8 @@ gather of the repaired given one, so results (and WARNING's counts) are FBGEMM's
 tensor itself is not repaired in place, as FBGEMM would.
 
 Cost against a fixed batch of the same lookups: T*B - sum B empty bags (two offsets read each), 8 B
-of table per bag (read once by the forward, once per lookup by the backward's gather), and the table
-built by a handful of device ops over T*B elements from one small host-to-device copy. No host sync.
+of table per bag (read once by the forward, once per lookup by the backward's gather), and one launch
+(kernels/vbe.py) building both from one small host-to-device copy. No host sync.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from torchrec_triton_tbe.kernels.vbe import _vbe_layout_kernel
+from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
+
+LAYOUT_BLOCK = 1024  # padded bags per program of the layout kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,15 +135,21 @@ def vbe_layout(
         host += [x for row in base for x in row]
     small = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
     parts = torch.split(small, [T + 1, T, T * (R + 1), T] + ([T * R] if base is not None else []))
-    bag_begin_d, per_feature_d, rank_begin_d, dims_d = parts[0], parts[1], parts[2].view(T, R + 1), parts[3]
-    base_d = parts[4].view(T, R) if base is not None else vbe_output_offsets.to(torch.int64).t()
+    bag_begin_d, per_feature_d, rank_begin_d, dims_d = parts[:4]
 
-    b = torch.arange(B, device=device, dtype=torch.int64).expand(T, B)
-    live = b < per_feature_d[:, None]
-    gather = bag_begin_d[:-1, None] + torch.minimum(b, per_feature_d[:, None])
-    padded = torch.cat([offsets[gather.reshape(-1)], offsets[-1:]])
-    rank = (torch.searchsorted(rank_begin_d, b.contiguous(), right=True) - 1).clamp_(0, R - 1)
-    row = base_d.gather(1, rank) + (b - rank_begin_d.gather(1, rank)) * dims_d[:, None]
-    out_map = torch.where(live, row, -1).reshape(-1)
+    padded = torch.empty(T * B + 1, dtype=offsets.dtype, device=device)
+    out_map = torch.empty(T * B, dtype=torch.int64, device=device)
+    if base is not None:
+        base_d, stride_t, stride_r = parts[4], R, 1
+    else:
+        base_d, (stride_r, stride_t) = vbe_output_offsets, vbe_output_offsets.stride()
+    launch(
+        _vbe_layout_kernel,
+        (cdiv(max(B, 1), LAYOUT_BLOCK), T),
+        (offsets, bag_begin_d, per_feature_d, rank_begin_d, dims_d, base_d, padded, out_map, B, R, bag_begin[-1],
+         stride_t, stride_r),
+        dict(BLOCK=LAYOUT_BLOCK),
+        4,
+    )
     return VBELayout(B=B, offsets=padded, out_map=out_map, out_size=out_size, out_align=out_align,
                      output=vbe_output)
