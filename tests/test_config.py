@@ -49,6 +49,8 @@ def test_knob_table_lookup():
         (("backward", "tile", {128: 4}), "needs a 'default' entry"),
         (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
+        (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
+        (("forward", "bucket_streams_min_lookups", -1), "forward.bucket_streams_min_lookups must be >= 0"),
     ],
 )
 def test_bad_knobs_are_rejected(patch, match, tmp_path):

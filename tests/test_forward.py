@@ -4,6 +4,7 @@ lacks the combination): SUM/MEAN x weighted x weights dtype x output dtype x ind
 lanes path against the sequential one over lanes / gather / bags, B not a multiple of the lanes, widths
 that need a column mask, and the fused bounds repair."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -22,7 +23,7 @@ from tbe_cases import (
     tolerance,
 )
 from torchrec_triton_tbe.config import KnobTable, load_named
-from torchrec_triton_tbe.ops.forward import lanes_gather
+from torchrec_triton_tbe.ops.forward import bucket_streams, lanes_gather
 
 SPECS = [(40, 8), (30, 12), (25, 16), (9, 4)]  # BLOCK_D buckets 4, 8 and 16; width 12 is not a power of 2
 # (FBGEMM requires D % 4 == 0; other widths are checked against the reference in test_properties.py.)
@@ -176,3 +177,14 @@ def test_lanes_gather_follows_the_mean_bag_length():
     assert lanes_gather(8, num_lookups=3 * 1024, num_bags=1024) == 4  # L = 3
     assert lanes_gather(8, num_lookups=20 * 1024, num_bags=1024) == 8  # L = 20: the knob
     assert lanes_gather(4, num_lookups=0, num_bags=1024) == 1  # no lookups
+
+
+def test_bucket_streams_only_fork_large_cuda_forwards():
+    # Host ints only; the side-stream launches themselves run in tests/gpu (no streams here).
+    cfg = INTERPRETER.forward
+    streams = dataclasses.replace(cfg, bucket_streams=4, bucket_streams_min_lookups=1000)
+    cpu = torch.device("cpu")
+    assert cfg.bucket_streams == 1 and bucket_streams(cfg, 7, 10**6, cpu) == []
+    assert bucket_streams(streams, 7, 10**6, cpu) == []  # not CUDA
+    assert bucket_streams(streams, 1, 10**6, torch.device("cuda")) == []  # one launch: nothing to overlap
+    assert bucket_streams(streams, 7, 999, torch.device("cuda")) == []  # below the threshold

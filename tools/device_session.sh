@@ -15,6 +15,8 @@
 #   plugin      tests/gpu/test_gpu_plugin.py: the TorchRec A/B with checkpoint interchange, every optimizer
 #   suite-opt   the backward of every optimizer against FBGEMM's with the same optimizer, --check, on the
 #               suite's shapes that fit two modules with Adam-sized state (OPT_SHAPES)
+#   streams     the pooled forward with its D-bucket launches spread over STREAMS_LIST streams (variant
+#               configs of configs/sm90.yaml), on the multi-bucket STREAM_SHAPES, then the GPU stream test
 #   tile-opt    element-wise-state optimizers with the fp16 tile table instead of the fp32 one (the
 #               default for rows carrying 4+ bytes per element), on two shapes
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
@@ -80,6 +82,21 @@ PY
           --passes bwd --only b64k_zipf115,d64_zipf115 --optimizer adam,partial_rowwise_lamb \
           --json "$OUT/tile_$(basename $cfg .yaml).json" 2>&1 | grep "Backward" | quiet
       done ;;
+    streams)
+      for n in ${STREAMS_LIST:-1 4 8}; do
+        python - "$n" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open("configs/sm90.yaml"))
+cfg["forward"].update(bucket_streams=int(sys.argv[1]), bucket_streams_min_lookups=0)
+yaml.safe_dump(cfg, open(f"/tmp/sm90_streams{sys.argv[1]}.yaml", "w"))
+PY
+        echo "-- bucket_streams=$n"
+        timeout 150 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters "${ITERS:-20}" \
+          --passes fwd --only "${STREAM_SHAPES:-prod_t100_b2k,prod_t40_b16k,mixed_d32_256_zipf115,vbe_t16_b1k_64k}" \
+          --optimizer exact_sgd --kernel-config /tmp/sm90_streams$n.yaml --json "$OUT/streams_$n.json" 2>&1 \
+          | grep "Forward\|rror" | quiet
+      done
+      timeout 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_training.py -k bucket_streams 2>&1 | tail -3 ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

@@ -69,6 +69,13 @@ class ForwardConfig:
     # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
     sequence_block: int = 16
     sequence_warps: int = 4
+    # Streams the D-bucket launches of one pooled forward are spread over (1: the caller's stream
+    # only), for forwards of at least bucket_streams_min_lookups lookups. At a small batch each
+    # bucket's launch lasts as long as its longest bags' chain of dependent id -> row loads while most
+    # of the GPU idles; on one stream those chains run one bucket after another. The fork and join
+    # cost a few host microseconds per side stream, which launch-bound forwards cannot spare.
+    bucket_streams: int = 1
+    bucket_streams_min_lookups: int = 0
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
@@ -179,6 +186,8 @@ class KernelConfig:
                                 if "bag_lanes_fp32" in f else None),
                 sequence_block=int(f.get("sequence_block", 16)),
                 sequence_warps=int(f.get("sequence_warps", 4)),
+                bucket_streams=int(f.get("bucket_streams", 1)),
+                bucket_streams_min_lookups=int(f.get("bucket_streams_min_lookups", 0)),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -237,6 +246,10 @@ class KernelConfig:
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")
+        if self.forward.bucket_streams < 1:
+            problems.append("forward.bucket_streams must be >= 1 (1: the caller's stream only)")
+        if self.forward.bucket_streams_min_lookups < 0:
+            problems.append("forward.bucket_streams_min_lookups must be >= 0")
         if self.backward.short_threshold < 1:
             problems.append("backward.short_threshold must be >= 1")
         if self.backward.long_chunk < 1:

@@ -267,3 +267,53 @@ def test_cached_launches_match_the_jit_and_follow_alignment(monkeypatch):
         results.append(outs + [w.clone() for w in m.split_embedding_weights()] + [m.momentum1.clone()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
+    """forward.bucket_streams: the D-bucket launches spread over side streams (SPECS: BLOCK_D 64, 128
+    and 256 buckets) give the one-stream output bit for bit, train to the same weights, issue no host
+    sync, and capture into a CUDA graph (the fork and join are stream waits, which capture records)."""
+    from torchrec_triton_tbe.config import load_config
+
+    base = load_config(DEV)
+    kw = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16,
+              stochastic_rounding=False)
+    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=base.replace_forward(bucket_streams=1), **kw)
+    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV,
+                     kernel_config=base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
+    assert len(many._spec.plan.buckets) >= 3
+    one.init_embedding_weights_uniform(-0.5, 0.5)
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        b.copy_(a)
+    for step in range(3):
+        idx, off, psw = batch(step, weighted=step == 1)
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            o1, o2 = one(idx, off, psw), many(idx, off, psw)
+            grad = torch.ones_like(o1)
+            o1.backward(grad)
+            o2.backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(o1, o2)
+    torch.cuda.synchronize()
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+    idx, off, _ = batch(5)
+    static_idx = idx.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        many(static_idx, off)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        captured = many(static_idx, off)
+    static_idx.copy_(torch.remainder(batch(6)[0][: idx.numel()].repeat(2)[: idx.numel()], 50))
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert torch.equal(captured, one(static_idx.clone(), off))

@@ -1,4 +1,5 @@
-"""Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k].
+"""Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]
+(spread over forward.bucket_streams streams when the forward is large enough).
 Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence_block)]."""
 
 from __future__ import annotations
@@ -7,11 +8,11 @@ from typing import Optional
 
 import torch
 
-from torchrec_triton_tbe.config import tile_warps
+from torchrec_triton_tbe.config import ForwardConfig, tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
-from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2
+from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, side_streams
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -32,6 +33,29 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
     the sums changes (fp rounding)."""
     return min(gather, mean_bag_pow2(num_lookups, num_bags))
+
+
+def bucket_streams(cfg: ForwardConfig, num_launches: int, num_lookups: int, device: torch.device) -> list:
+    """The streams a pooled forward's bucket launches go round: [caller's, side streams...], forked
+    from the caller's stream (each side stream waits for the work queued before this forward, so it
+    sees the ids, offsets and output allocated there); [] keeps every launch on the caller's stream.
+    From host ints only (config.ForwardConfig.bucket_streams)."""
+    n = min(cfg.bucket_streams, num_launches)
+    if n < 2 or num_lookups < cfg.bucket_streams_min_lookups or device.type != "cuda":
+        return []
+    main = torch.cuda.current_stream(device)
+    streams = [main, *side_streams(device, n - 1)]
+    for s in streams[1:]:
+        s.wait_stream(main)
+    return streams
+
+
+def join_streams(streams: list) -> None:
+    """The caller's stream waits for every side stream: whatever it runs next (the output's consumers,
+    and any reuse of memory freed after this call) is ordered after the side launches, so no tensor
+    needs record_stream."""
+    for s in streams[1:]:
+        streams[0].wait_stream(s)
 
 
 def pooled_forward(
@@ -57,28 +81,31 @@ def pooled_forward(
     weighted = per_sample_weights is not None
     out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
     out_align = None if vbe is None else vbe.out_align
-    for k, grid, constexprs, warps in _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align):
-        launch(
-            _pooled_forward_kernel,
-            grid,
-            (
-                weights,
-                indices,
-                offsets,
-                per_sample_weights if weighted else weights,
-                out,
-                tensors.bucket_features[k],
-                tensors.feature_dim,
-                tensors.feature_weight_offset,
-                out_offset,
-                tensors.feature_rows,
-                warning,
-                B,
-                plan.total_D,
-            ),
-            constexprs,
-            warps,
+    launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align)
+    streams = bucket_streams(spec.config.forward, len(launches), indices.numel(), weights.device)
+    for i, (k, grid, constexprs, warps) in enumerate(launches):
+        args = (
+            weights,
+            indices,
+            offsets,
+            per_sample_weights if weighted else weights,
+            out,
+            tensors.bucket_features[k],
+            tensors.feature_dim,
+            tensors.feature_weight_offset,
+            out_offset,
+            tensors.feature_rows,
+            warning,
+            B,
+            plan.total_D,
         )
+        if streams:
+            with torch.cuda.stream(streams[i % len(streams)]):
+                launch(_pooled_forward_kernel, grid, args, constexprs, warps)
+        else:
+            launch(_pooled_forward_kernel, grid, args, constexprs, warps)
+    if streams:
+        join_streams(streams)
     return out
 
 

@@ -37,6 +37,20 @@ _INTERPRETED = _env.interpreting()
 _COMPILED: dict = {}
 
 
+# device index -> side streams, created on first use and shared by every module on that device (a
+# stream per call or per module would pile up CUDA streams in long-lived processes).
+_SIDE_STREAMS: dict = {}
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    """``n`` side streams of ``device`` (CUDA), the same ones on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _SIDE_STREAMS.setdefault(index, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device=index))
+    return have[:n]
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
     (each host call unwraps its arguments: ~2 µs, several per launch)."""
