@@ -188,3 +188,30 @@ def test_bucket_streams_only_fork_large_cuda_forwards():
     assert bucket_streams(streams, 7, 10**6, cpu) == []  # not CUDA
     assert bucket_streams(streams, 1, 10**6, torch.device("cuda")) == []  # one launch: nothing to overlap
     assert bucket_streams(streams, 7, 999, torch.device("cuda")) == []  # below the threshold
+
+
+def test_small_batch_knobs_apply_at_small_batches_with_narrow_weights():
+    cfg = dataclasses.replace(INTERPRETER.forward, small_batch=8, bags_per_program_small=1,
+                              gather_small=KnobTable(16, ((64, 8),)), bag_lanes_small=KnobTable(4))
+    assert cfg.knobs(64, 2, 8) == (1, 4, 8)
+    assert cfg.knobs(32, 2, 8) == (1, 4, 16)
+    regular = (cfg.bags_per_program, cfg.lanes(64, 2), cfg.gather.get(64))
+    assert cfg.knobs(64, 2, 9) == regular  # above small_batch
+    assert cfg.knobs(64, 4, 8) == (cfg.bags_per_program, cfg.lanes(64, 4), cfg.gather.get(64))  # fp32 rows
+    assert dataclasses.replace(cfg, small_batch=0).knobs(64, 2, 1) == regular
+
+
+def test_small_batch_knobs_match_sequential():
+    """The small-batch tables only regroup the sums: same output as the sequential path."""
+    kw = dict(pooling_mode=PoolingMode.MEAN, weights_precision=SparseType.FP16)
+    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    small = INTERPRETER.replace_forward(small_batch=8, bags_per_program_small=1, gather_small=KnobTable(16),
+                                        bag_lanes_small=KnobTable(4))
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=small, **kw)
+    g = torch.Generator().manual_seed(9)
+    x = skewed_batch([r for r, _ in WIDE_SPECS], WIDE_FTM, B=7, max_L=20, generator=g, weighted=True)
+    with torch.no_grad():
+        assert_close(ours(x.indices, x.offsets, x.per_sample_weights), seq(x.indices, x.offsets, x.per_sample_weights),
+                     "small-batch knobs vs sequential", **tolerance(torch.float32))
+    plans = [p for key, p in ours._spec.launch_plans.items() if key[0] == "forward"]
+    assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, cx, _ in p)

@@ -76,9 +76,26 @@ class ForwardConfig:
     # cost a few host microseconds per side stream, which launch-bound forwards cannot spare.
     bucket_streams: int = 1
     bucket_streams_min_lookups: int = 0
+    # Batches of at most small_batch bags per feature (0: none) with 2-byte weights take the *_small
+    # knobs. The tables above were tuned at B = 65,536, where every SM is full of programs and a few
+    # rows in flight per program suffice; at B = 2,048 a launch holds too few programs to cover the
+    # latency of its dependent id -> row loads that way, and one bag group per program with more rows
+    # per step ran the launches of a 100-table shape in half the time (tools/forward_buckets.py).
+    small_batch: int = 0
+    bags_per_program_small: int = 1
+    gather_small: Optional[KnobTable] = None  # None: gather
+    bag_lanes_small: Optional[KnobTable] = None  # None: bag_lanes
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
+
+    def knobs(self, block_d: int, weight_bytes: int, batch: int) -> tuple[int, int, int]:
+        """(bags_per_program, bag_lanes, gather) of a pooled launch at this BLOCK_D, weight width and
+        batch size (bags per feature: a host int)."""
+        if batch <= self.small_batch and weight_bytes <= 2:
+            return (self.bags_per_program_small, (self.bag_lanes_small or self.bag_lanes).get(block_d),
+                    (self.gather_small or self.gather).get(block_d))
+        return self.bags_per_program, self.lanes(block_d, weight_bytes), self.gather.get(block_d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +205,11 @@ class KernelConfig:
                 sequence_warps=int(f.get("sequence_warps", 4)),
                 bucket_streams=int(f.get("bucket_streams", 1)),
                 bucket_streams_min_lookups=int(f.get("bucket_streams_min_lookups", 0)),
+                small_batch=int(f.get("small_batch", 0)),
+                bags_per_program_small=int(f.get("bags_per_program_small", 1)),
+                gather_small=KnobTable.parse(f["gather_small"], "forward.gather_small") if "gather_small" in f else None,
+                bag_lanes_small=(KnobTable.parse(f["bag_lanes_small"], "forward.bag_lanes_small")
+                                 if "bag_lanes_small" in f else None),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -227,6 +249,8 @@ class KernelConfig:
             ("forward.num_warps", self.forward.num_warps),
             ("forward.bag_lanes", self.forward.bag_lanes),
             ("forward.bag_lanes_fp32", self.forward.bag_lanes_fp32 or KnobTable(1)),
+            ("forward.gather_small", self.forward.gather_small or KnobTable(1)),
+            ("forward.bag_lanes_small", self.forward.bag_lanes_small or KnobTable(1)),
             ("backward.tile", self.backward.tile),
             ("backward.tile_fp32", self.backward.tile_fp32 or KnobTable(1)),
             ("backward.num_warps", self.backward.num_warps),
@@ -246,6 +270,10 @@ class KernelConfig:
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")
+        if self.forward.bags_per_program_small < 1:
+            problems.append("forward.bags_per_program_small must be >= 1")
+        if self.forward.small_batch < 0:
+            problems.append("forward.small_batch must be >= 0 (0: never)")
         if self.forward.bucket_streams < 1:
             problems.append("forward.bucket_streams must be >= 1 (1: the caller's stream only)")
         if self.forward.bucket_streams_min_lookups < 0:

@@ -147,8 +147,8 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             continue
         if len(bucket.features) > MAX_GRID_Y:
             raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
-        bd, bags = bucket.block_d, cfg.bags_per_program
-        lanes, gather = cfg.lanes(bd, weight_bytes), cfg.gather.get(bd)
+        bd = bucket.block_d
+        bags, lanes, gather = cfg.knobs(bd, weight_bytes, B)
         if lanes > 1:
             gather = lanes_gather(gather, num_lookups, num_bags)
         constexprs = dict(
