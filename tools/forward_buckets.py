@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 import triton
 
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import load_suite
+from torchrec_triton_tbe.bench.report import environment
 from torchrec_triton_tbe.bench.runner import RunOptions, build_modules
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
@@ -80,7 +82,8 @@ def main() -> None:
               f"| {x['best']} | {x['best_ms']:.4f} |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(shape=args.shape, whole_ms=whole, buckets=rows), fh, indent=1)
+            json.dump(dict(environment=environment(dev, sys.argv), shape=args.shape, whole_ms=whole, buckets=rows),
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,10 +119,13 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
     # short bags below would never record the configured widths: a second, forward-only batch has bags
     # as long as the widest gather knob.
     base = load_config(torch.device("cpu"), kernel_config)
-    fwd_gather = base.forward.gather
+    # B = 16 below is a small batch (config forward.small_batch): the regular forward tables are
+    # recorded through a copy without the small-batch ones, alternated with the shipped config.
+    bases = [base] if base.forward.small_batch == 0 else [base, base.replace_forward(small_batch=0)]
     # Both long-path schedules are shipped (config backward.long_path): alternate them over the options.
-    long_paths = [base.replace_backward(long_path=p) for p in LONG_PATHS]
-    long_L = max([fwd_gather.default] + [v for _, v in fwd_gather.by_block_d])
+    long_paths = [b.replace_backward(long_path=p) for p in LONG_PATHS for b in bases]
+    tables = [base.forward.gather] + ([base.forward.gather_small] if base.forward.gather_small else [])
+    long_L = max(v for t in tables for v in [t.default, *(v for _, v in t.by_block_d)])
     with recording() as seen:
         for layout in _layouts():
             T = len(layout)
