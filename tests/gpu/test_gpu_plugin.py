@@ -24,3 +24,19 @@ def test_demo_matches_fused_with_checkpoint_interchange(optimizer, sharding):
     argv = ["--optimizer", optimizer, "--sharding", sharding, "--steps", "4", "--batch-size", "2048",
             "--num-embeddings", "50000", "--embedding-dim", "64", "--learning-rate", "0.01"]
     assert torchrec_demo.main(argv) == 0
+
+
+MODES = [("--sequence", "rowwise_adagrad", "table_wise"), ("--sequence", "adam", "row_wise"),
+         ("--vbe", "rowwise_adagrad", "table_wise"), ("--vbe", "sgd", "row_wise"),
+         ("--vbe", "adam", "column_wise")]
+
+
+@pytest.mark.parametrize("mode,optimizer,sharding", MODES, ids=[f"{m[2:]}-{o}-{s}" for m, o, s in MODES])
+def test_sequence_and_vbe_demo_match_fused(mode, optimizer, sharding):
+    """Issue 11 on the GPU: an EmbeddingCollection of sequence tables next to the bags (--sequence), and
+    variable-batch KJTs (--vbe: on the GPU both pooling modes, so TorchRec merges several kernel groups
+    into one vbe_output), on ``fused`` and on ours: same losses, weights and optimizer state, with the
+    checkpoint interchanged both ways."""
+    argv = [mode, "--optimizer", optimizer, "--sharding", sharding, "--steps", "4", "--batch-size", "1024",
+            "--num-embeddings", "20000", "--embedding-dim", "64", "--learning-rate", "0.01"]
+    assert torchrec_demo.main(argv) == 0
