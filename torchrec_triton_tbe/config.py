@@ -270,24 +270,19 @@ class KernelConfig:
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")
-        if self.forward.bags_per_program_small < 1:
-            problems.append("forward.bags_per_program_small must be >= 1")
-        if self.forward.small_batch < 0:
-            problems.append("forward.small_batch must be >= 0 (0: never)")
-        if self.forward.bucket_streams < 1:
-            problems.append("forward.bucket_streams must be >= 1 (1: the caller's stream only)")
-        if self.forward.bucket_streams_min_lookups < 0:
-            problems.append("forward.bucket_streams_min_lookups must be >= 0")
-        if self.backward.short_threshold < 1:
-            problems.append("backward.short_threshold must be >= 1")
-        if self.backward.long_chunk < 1:
-            problems.append("backward.long_chunk must be >= 1")
-        if self.backward.waves < 0:
-            problems.append("backward.waves must be >= 0")
-        if self.backward.graph_max_lookups < 0:
-            problems.append("backward.graph_max_lookups must be >= 0 (0: no CUDA graphs)")
-        if self.backward.graph_cache < 1:
-            problems.append("backward.graph_cache must be >= 1")
+        for name, v, least, hint in [
+            ("forward.bags_per_program_small", self.forward.bags_per_program_small, 1, ""),
+            ("forward.small_batch", self.forward.small_batch, 0, " (0: never)"),
+            ("forward.bucket_streams", self.forward.bucket_streams, 1, " (1: the caller's stream only)"),
+            ("forward.bucket_streams_min_lookups", self.forward.bucket_streams_min_lookups, 0, ""),
+            ("backward.short_threshold", self.backward.short_threshold, 1, ""),
+            ("backward.long_chunk", self.backward.long_chunk, 1, ""),
+            ("backward.waves", self.backward.waves, 0, ""),
+            ("backward.graph_max_lookups", self.backward.graph_max_lookups, 0, " (0: no CUDA graphs)"),
+            ("backward.graph_cache", self.backward.graph_cache, 1, ""),
+        ]:
+            if v < least:
+                problems.append(f"{name} must be >= {least}{hint}")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

@@ -6,6 +6,7 @@
 * repeated runs are bitwise identical.
 """
 
+import contextlib
 import itertools
 import logging
 
@@ -56,6 +57,21 @@ def pair(**kw):
     for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
         b.copy_(a)
     return ours, fb
+
+
+@contextlib.contextmanager
+def no_host_sync(on: bool = True):
+    """With ``on``: any host sync inside raises (torch.cuda.set_sync_debug_mode("error"), after a
+    synchronize so that earlier work does not count)."""
+    if not on:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 TOL = {SparseType.FP32: dict(atol=1e-4, rtol=1e-4), SparseType.FP16: dict(atol=1e-2, rtol=2e-2)}
@@ -219,14 +235,9 @@ def test_long_paths_are_bitwise_identical_and_sync_free():
         m.init_embedding_weights_uniform(-0.5, 0.5)
         for step in range(3):
             idx, off, psw = batch(step, weighted=step == 1)
-            if step == 2:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync(step == 2):
                 out = m(idx, off, psw)
                 out.backward(torch.ones_like(out))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
         if long_path == "split":
             stats = m.backward_stats()
             assert stats["long_chunks"] > stats["long_runs"] > 0, stats
@@ -287,16 +298,11 @@ def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
         b.copy_(a)
     for step in range(3):
         idx, off, psw = batch(step, weighted=step == 1)
-        if step == 2:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync(step == 2):
             o1, o2 = one(idx, off, psw), many(idx, off, psw)
             grad = torch.ones_like(o1)
             o1.backward(grad)
             o2.backward(grad)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(o1, o2)
     torch.cuda.synchronize()
     for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
