@@ -127,7 +127,7 @@ def test_merged_output_is_written_in_place_at_the_given_offsets():
     result = ours(idx, off, batch_size_per_feature_per_rank=SIZES, vbe_output=buffer, vbe_output_offsets=offsets_table)
     assert result.data_ptr() == buffer.data_ptr()
     expected = plain(idx.clone(), off.clone(), batch_size_per_feature_per_rank=SIZES).detach()
-    dense, start = [], 0
+    start = 0
     for r, t in blocks:
         n = SIZES[t][r] * SPECS[FTM[t]][1]
         assert_close(buffer[offsets_table[r, t] : offsets_table[r, t] + n], expected[start : start + n],

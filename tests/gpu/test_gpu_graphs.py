@@ -4,27 +4,11 @@ per-sample weights with their gradient, eviction), and capture and replay never 
 
 import pytest
 import torch
+from gpu_cases import DEV, FTM, SPECS, batch
 
 from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.module import TritonTBE
-
-DEV = torch.device("cuda")
-SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
-FTM = [0, 1, 1, 2, 3]
-
-
-def batch(seed, B, L=12, weighted=False):
-    g = torch.Generator().manual_seed(seed)
-    T = len(FTM)
-    lengths = torch.randint(0, 2 * L, (T * B,), generator=g)
-    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    ids = [(SPECS[k][0] * torch.rand(int(lengths[t * B:(t + 1) * B].sum()), generator=g) ** 4).long()
-           for t, k in enumerate(FTM)]
-    idx = torch.cat(ids).to(DEV)
-    psw = torch.rand(idx.numel(), generator=g).to(DEV).requires_grad_(True) if weighted else None
-    return idx, offsets.to(DEV), psw
 
 
 def two_modules(optimizer, graph_cache=8):
@@ -48,7 +32,7 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
     # Seeds repeat (keys reach capture and replay); B changes (new keys, evictions with graph_cache=2).
     plan = [(0, 512), (1, 512), (0, 512), (1, 512), (2, 256), (0, 512), (3, 128), (2, 256), (2, 256), (0, 512)]
     for step, (seed, B) in enumerate(plan):
-        idx, off, psw = batch(seed, B, weighted=weighted)
+        idx, off, psw = batch(seed, weighted=weighted, nb=B, psw_grad=True)
         grads = []
         for m in (graphed, eager):
             w = psw.detach().clone().requires_grad_(True) if weighted else None
@@ -77,7 +61,7 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
 
 def test_capture_and_replay_do_not_sync():
     graphed, _ = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-    idx, off, _ = batch(0, 512)
+    idx, off, _ = batch(0)
     grad = torch.randn(512, graphed.total_D, device=DEV)
     graphed(idx, off).backward(grad)  # first call of the key: eager (compiles, learns the grids)
     torch.cuda.synchronize()
@@ -97,7 +81,7 @@ def test_each_stream_gets_its_own_graphs():
     one stream: a backward on another stream gets its own key (and pool), and results stay bitwise."""
     graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     side = torch.cuda.Stream()
-    idx, off, _ = batch(0, 512)
+    idx, off, _ = batch(0)
     for step in range(6):  # main stream on even steps, the side stream on odd ones: 3 calls each
         for m in (graphed, eager):
             grad = torch.randn(512, m.total_D, device=DEV, generator=torch.Generator(DEV).manual_seed(step))

@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
+from gpu_cases import DEV, FTM, SPECS, TOL, batch, pair
+
 from torchrec_triton_tbe._fbgemm import (
-    ComputeDevice,
-    EmbeddingLocation,
     EmbOptimType,
     PoolingMode,
     SparseType,
@@ -22,10 +22,6 @@ from torchrec_triton_tbe.config import load_named
 from torchrec_triton_tbe.module import TritonTBE
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
-DEV = torch.device("cuda")
-SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
-FTM = [0, 1, 1, 2, 3]
-B, L = 512, 12
 RWA = EmbOptimType.EXACT_ROWWISE_ADAGRAD
 
 # name -> (optimizer, keywords beyond the common ones)
@@ -49,34 +45,7 @@ VARIANTS = {
 }
 # (pooling, weighted, weights, ids): two per variant.
 COMBOS = [(PoolingMode.SUM, False, SparseType.FP32, torch.int64), (PoolingMode.MEAN, True, SparseType.FP16, torch.int32)]
-TOL = {SparseType.FP32: dict(atol=1e-4, rtol=1e-4), SparseType.FP16: dict(atol=1e-2, rtol=2e-2)}
 STATE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
-
-
-def batch(seed, weighted=False, index_dtype=torch.int64, nb=B):
-    g = torch.Generator().manual_seed(seed)
-    T = len(FTM)
-    lengths = torch.randint(0, 2 * L, (T * nb,), generator=g)
-    offsets = torch.zeros(T * nb + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    ids = [(SPECS[k][0] * torch.rand(int(lengths[t * nb:(t + 1) * nb].sum()), generator=g) ** 4).long()
-           for t, k in enumerate(FTM)]
-    idx = torch.cat(ids)
-    psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
-    return idx.to(DEV, index_dtype), offsets.to(DEV, index_dtype), psw
-
-
-def pair(kernel_config=None, **kw):
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    ours = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=kernel_config, **kw)
-    fb = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in SPECS], feature_table_map=FTM, device=DEV, **kw
-    )
-    ours.init_embedding_weights_uniform(-0.5, 0.5)
-    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
-        b.copy_(a)
-    return ours, fb
 
 
 def assert_same_state(ours, fb, weights, what):

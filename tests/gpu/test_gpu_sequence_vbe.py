@@ -6,27 +6,13 @@ import logging
 
 import pytest
 import torch
+from gpu_cases import DEV, FTM, SPECS, TOL, pair
 
-from torchrec_triton_tbe._fbgemm import ComputeDevice, EmbeddingLocation, EmbOptimType, PoolingMode, SparseType
+from torchrec_triton_tbe._fbgemm import EmbOptimType, PoolingMode, SparseType
 from torchrec_triton_tbe.module import TritonTBE
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
-DEV = torch.device("cuda")
 RWA, SGD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD
-TOL = {SparseType.FP32: dict(atol=1e-4, rtol=1e-4), SparseType.FP16: dict(atol=1e-2, rtol=2e-2)}
-
-
-def pair(specs, ftm, **kw):
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    ours = TritonTBE(specs, feature_table_map=ftm, device=DEV, **kw)
-    fb = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in specs], feature_table_map=ftm, device=DEV, **kw
-    )
-    ours.init_embedding_weights_uniform(-0.5, 0.5)
-    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
-        b.copy_(a)
-    return ours, fb
 
 
 def skewed(rows_per_feature, bags_per_feature, seed, L=12):
@@ -77,8 +63,7 @@ def test_sequence_matches_fbgemm_cuda(optimizer, weights, index_dtype):
     compare(ours, fb, weights, f"sequence {optimizer.name}")
 
 
-VBE_SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
-VBE_FTM = [0, 1, 1, 2, 3]
+VBE_SPECS, VBE_FTM = SPECS, FTM
 SIZES = [[700, 300], [64, 900], [512, 0], [3, 1000], [256, 256]]
 
 

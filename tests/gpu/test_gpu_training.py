@@ -6,75 +6,17 @@
 * repeated runs are bitwise identical.
 """
 
-import contextlib
 import itertools
 import logging
 
 import pytest
 import torch
+from gpu_cases import B, DEV, FTM, SPECS, TOL, batch, no_host_sync, pair
 
-from torchrec_triton_tbe._fbgemm import (
-    BoundsCheckMode,
-    ComputeDevice,
-    EmbeddingLocation,
-    EmbOptimType,
-    PoolingMode,
-    SparseType,
-)
+from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
 from torchrec_triton_tbe.module import TritonTBE
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
-DEV = torch.device("cuda")
-SPECS = [(20_000, 128), (5_000, 64), (3_000, 72), (50, 256)]
-FTM = [0, 1, 1, 2, 3]
-B, L = 512, 12
-
-
-def batch(seed, weighted=False, index_dtype=torch.int64):
-    g = torch.Generator().manual_seed(seed)
-    T = len(FTM)
-    lengths = torch.randint(0, 2 * L, (T * B,), generator=g)
-    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    ids = []
-    for t, k in enumerate(FTM):
-        n = int(lengths[t * B : (t + 1) * B].sum())
-        u = torch.rand(n, generator=g)
-        ids.append((SPECS[k][0] * u**4).long().clamp(max=SPECS[k][0] - 1))  # heavy head: long runs
-    idx = torch.cat(ids)
-    psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
-    return idx.to(DEV, index_dtype), offsets.to(DEV, index_dtype), psw
-
-
-def pair(**kw):
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    ours = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, **kw)
-    fb = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in SPECS], feature_table_map=FTM, device=DEV, **kw
-    )
-    ours.init_embedding_weights_uniform(-0.5, 0.5)
-    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
-        b.copy_(a)
-    return ours, fb
-
-
-@contextlib.contextmanager
-def no_host_sync(on: bool = True):
-    """With ``on``: any host sync inside raises (torch.cuda.set_sync_debug_mode("error"), after a
-    synchronize so that earlier work does not count)."""
-    if not on:
-        yield
-        return
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-TOL = {SparseType.FP32: dict(atol=1e-4, rtol=1e-4), SparseType.FP16: dict(atol=1e-2, rtol=2e-2)}
 
 
 @pytest.mark.parametrize(
@@ -114,25 +56,8 @@ def test_many_tiles_per_program_match_fbgemm_cuda(optimizer):
     cfg = load_named("sm90").replace_backward(programs_per_sm=1, waves=0)
     kw = dict(weights_precision=SparseType.FP16, optimizer=optimizer, learning_rate=0.1, eps=0.1,
               stochastic_rounding=False)
-    ours = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=cfg, **kw)
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-    fb = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in SPECS], feature_table_map=FTM, device=DEV,
-        **kw,
-    )
-    ours.init_embedding_weights_uniform(-0.01, 0.01)
-    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
-        b.copy_(a)
-    g = torch.Generator().manual_seed(7)
-    nb = 8192
-    T = len(FTM)
-    lengths = torch.randint(0, 2 * L, (T * nb,), generator=g)
-    off = torch.zeros(T * nb + 1, dtype=torch.int64)
-    off[1:] = lengths.cumsum(0)
-    idx = torch.cat([(SPECS[k][0] * torch.rand(int(lengths[t * nb:(t + 1) * nb].sum()), generator=g) ** 2).long()
-                     for t, k in enumerate(FTM)])
-    idx, off = idx.to(DEV), off.to(DEV)
+    ours, fb = pair(kernel_config=cfg, init=0.01, **kw)
+    idx, off, _ = batch(7, nb=8192, skew=2)
     o1, o2 = ours(idx, off), fb(idx, off)
     grad = torch.randn_like(o1)
     o1.backward(grad)
