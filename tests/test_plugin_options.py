@@ -8,6 +8,7 @@ import torch
 import plugin_cases  # noqa: F401  (imports the plugin before torchrec)
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.plugin.options import (
+    CHECK_FINITE_KEY,
     FUSED_BOUNDS_CHECK_KEY,
     HOIST_TRANSPOSE_KEY,
     INDEX_TYPE_KEY,
@@ -21,14 +22,16 @@ from torchrec_triton_tbe.plugin.options import (
 )
 
 ALL = TritonTBEOptions(
-    index_dtype=torch.int32, fused_bounds_check=True, hoist_transpose=True, kernel_config="interpreter"
+    index_dtype=torch.int32, fused_bounds_check=True, hoist_transpose=True, kernel_config="interpreter",
+    check_finite=True,
 )
 
 
 def test_defaults_keep_torchrec_keys_untouched():
     params = TritonTBEOptions().to_fused_params()
     assert params == {
-        MARKER_KEY: MARKER, FUSED_BOUNDS_CHECK_KEY: False, HOIST_TRANSPOSE_KEY: False, KERNEL_CONFIG_KEY: None
+        MARKER_KEY: MARKER, FUSED_BOUNDS_CHECK_KEY: False, HOIST_TRANSPOSE_KEY: False, KERNEL_CONFIG_KEY: None,
+        CHECK_FINITE_KEY: False,
     }
     assert INDEX_TYPE_KEY not in params and OFFSET_TYPE_KEY not in params
 
@@ -71,6 +74,7 @@ def test_pop_from_refuses_other_markers():
         (dict(index_dtype=torch.float32), ValueError),
         (dict(fused_bounds_check=1), TypeError),
         (dict(hoist_transpose="yes"), TypeError),
+        (dict(check_finite=None), TypeError),
         (dict(kernel_config={"forward": {}}), TypeError),
     ],
 )

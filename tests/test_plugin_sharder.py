@@ -65,12 +65,13 @@ def test_planned_model_trains_with_sharder_options(one_rank):
     planner = EmbeddingShardingPlanner(topology, constraints=_constraints(t0={}, t1={}))
     plan = planner.plan(pc.Model(), [TritonTBESharder()]).plan["ebc"]
     assert type(plan["t0"]) is ParameterSharding
-    options = TritonTBEOptions(hoist_transpose=True, fused_bounds_check=True)
+    options = TritonTBEOptions(hoist_transpose=True, fused_bounds_check=True, check_finite=True)
     sharder = TritonTBESharder(fused_params=pc.fused_params(ADAGRAD), options=options)
     ours = pc.make_dmp(plan, sharder)
     fused = pc.make_dmp(use_fused(plan), sharder)
     by_table = {t.name: k for k in pc.kernels(ours) for t in k.config.embedding_tables}
     assert isinstance(by_table["t0"], TritonTBEEmbeddingBag) and by_table["t0"].options == options
+    assert by_table["t0"].emb_module.check_finite
     assert isinstance(by_table["t1"], TritonTBEEmbeddingBag)
     assert not isinstance(by_table.get("t2"), TritonTBEEmbeddingBag)  # unconstrained: TorchRec's choice
     assert isinstance(ours.module.ebc.module_sharding_plan["t0"], TritonTBEParameterSharding)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from torchrec_triton_tbe.ops import backward as bwd_ops
+from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import forward as fwd_ops
 from torchrec_triton_tbe.ops import graphs as graph_ops
 from torchrec_triton_tbe.ops import transpose as transpose_ops
@@ -24,8 +25,8 @@ from torchrec_triton_tbe.ops.vbe import VBELayout
 @dataclasses.dataclass(frozen=True)
 class LookupCall:
     """One call's static inputs: the module's launch spec, its mutable tensors, the batch size,
-    where to report backward run statistics (``None``: don't collect them) and the module's captured
-    backwards (``None``: always eager)."""
+    where to report backward run statistics (``None``: don't collect them), the module's captured
+    backwards (``None``: always eager) and whether a non-finite output gradient raises."""
 
     spec: TBESpec
     state: bwd_ops.OptimizerTensors
@@ -33,6 +34,7 @@ class LookupCall:
     warning: torch.Tensor
     on_runs: Optional[Callable[[transpose_ops.RunPlan], None]] = None
     graphs: Optional[graph_ops.BackwardGraphs] = None
+    check_finite: bool = False
 
 
 class TBEFunction(torch.autograd.Function):
@@ -74,6 +76,8 @@ class TBEFunction(torch.autograd.Function):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
+        if call.check_finite:
+            bounds_ops.check_finite("grad_output", grad_out)
         passthrough = grad_out  # merged VBE: the other kernels' gradient, unclipped
         grad_out = grad_out.contiguous()
         if spec.optimizer.gradient_clipping:

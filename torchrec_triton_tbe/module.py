@@ -223,6 +223,10 @@ class TritonTBE(nn.Module):
             hoist_transpose=hoist_transpose,
         )
         self.collect_backward_stats = False
+        # Opt-in guard (docs/reliability.md): non-finite per-sample weights (forward) or output
+        # gradients (backward) raise before any kernel runs, leaving weights and state untouched.
+        # One host sync per checked tensor when on; nothing at all when off.
+        self.check_finite = False
         self._last_runs: Optional[RunPlan] = None
         # Captured backwards of launch-bound batches (ops/graphs.py; config backward.graph_max_lookups).
         self._backward_graphs = BackwardGraphs()
@@ -291,6 +295,8 @@ class TritonTBE(nn.Module):
             # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
             vbe = vbe_ops.vbe_layout(spec, offsets, sizes, vbe_output, vbe_output_offsets)
             offsets, B = vbe.offsets, vbe.B
+        if self.check_finite and per_sample_weights is not None:
+            bounds_ops.check_finite("per_sample_weights", per_sample_weights)
         bufs = self._buffers
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_repair_flag"],
@@ -308,7 +314,7 @@ class TritonTBE(nn.Module):
         holds: a replaced buffer (``module.to``, ``load_state_dict(assign=True)``) gives a new call, and
         the old one keeps its tensors alive, so their ids cannot be reused while it is cached."""
         names = (*_STATE_BUFFERS, "bounds_check_warning")
-        key = (id(spec), B, self.collect_backward_stats, *(id(bufs[n]) for n in names))
+        key = (id(spec), B, self.collect_backward_stats, self.check_finite, *(id(bufs[n]) for n in names))
         cached = self._cached_call
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -319,6 +325,7 @@ class TritonTBE(nn.Module):
             warning=bufs["bounds_check_warning"],
             on_runs=self._record_runs if self.collect_backward_stats else None,
             graphs=self._backward_graphs,
+            check_finite=self.check_finite,
         )
         self._cached_call = (key, call)
         return call

@@ -87,6 +87,19 @@ def validate_shapes(
     return vbe_bags if vbe_bags is not None else (offsets.numel() - 1) // T
 
 
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """The opt-in non-finite guard (``module.check_finite``): raises ``ValueError`` naming the first
+    NaN / Inf element of ``x``. One sync (the verdict), two when it raises (the position)."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), x.shape))
+        raise ValueError(
+            f"{name}[{', '.join(map(str, pos))}] = {x.reshape(-1)[first].item()} is not finite ({int(bad.sum())} non-finite "
+            f"of {x.numel()}); module.check_finite is on, so nothing was updated"
+        )
+
+
 def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:
     cfg = spec.config.forward
     bags = cfg.bags_per_program

@@ -53,6 +53,7 @@ def _build_module(kernel, config: GroupedEmbeddingConfig, device, pg, pooling_mo
         hoist_transpose=kernel.options.hoist_transpose,
         **fused_params,
     )
+    kernel._emb_module.check_finite = kernel.options.check_finite
     kernel._optim = EmbeddingFusedOptimizer(config, kernel._emb_module, pg)
     kernel.init_parameters()
 

@@ -7,7 +7,7 @@ tables, whose constructor rejects unknown keywords. TorchRec groups tables into 
 ``tuple(sorted(fused_params.items()))``, so every value here is hashable, and tables with different
 options never share a kernel.
 
-None of the options changes results; each trades speed only.
+None of the options changes results of valid batches; each but ``check_finite`` trades speed only.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ MARKER = "triton_tbe"
 FUSED_BOUNDS_CHECK_KEY = "triton_tbe_fused_bounds_check"
 HOIST_TRANSPOSE_KEY = "triton_tbe_hoist_transpose"
 KERNEL_CONFIG_KEY = "triton_tbe_kernel_config"
-PLUGIN_KEYS = (MARKER_KEY, FUSED_BOUNDS_CHECK_KEY, HOIST_TRANSPOSE_KEY, KERNEL_CONFIG_KEY)
+CHECK_FINITE_KEY = "triton_tbe_check_finite"
+PLUGIN_KEYS = (MARKER_KEY, FUSED_BOUNDS_CHECK_KEY, HOIST_TRANSPOSE_KEY, KERNEL_CONFIG_KEY, CHECK_FINITE_KEY)
 
 # TorchRec's own keys (torchrec.distributed.fused_params). They are read by TorchRec's kernel base
 # class, which casts the KJT's ids and offsets to these dtypes, and by TritonTBE; they stay in
@@ -53,18 +54,22 @@ class TritonTBEOptions:
       taking that work off the backward's critical path.
     * ``kernel_config``: tuning knobs, a config name (``"sm90"``), a YAML path or a ``KernelConfig``;
       ``None`` picks the device's default.
+    * ``check_finite``: raise before any update when a per-sample weight (forward) or an output
+      gradient (backward) is NaN or infinite, leaving weights and optimizer state untouched
+      (docs/reliability.md). One host sync per checked tensor; off by default, as in FBGEMM.
     """
 
     index_dtype: Optional[torch.dtype] = None
     fused_bounds_check: bool = False
     hoist_transpose: bool = False
     kernel_config: Union[str, KernelConfig, None] = None
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.index_dtype is not None and self.index_dtype not in INDEX_DTYPES:
             raise ValueError(f"TritonTBEOptions.index_dtype must be torch.int32, torch.int64 or None, "
                              f"got {self.index_dtype!r}")
-        for name in ("fused_bounds_check", "hoist_transpose"):
+        for name in ("fused_bounds_check", "hoist_transpose", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TritonTBEOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kernel_config is not None and not isinstance(self.kernel_config, (str, KernelConfig)):
@@ -79,6 +84,7 @@ class TritonTBEOptions:
             FUSED_BOUNDS_CHECK_KEY: self.fused_bounds_check,
             HOIST_TRANSPOSE_KEY: self.hoist_transpose,
             KERNEL_CONFIG_KEY: self.kernel_config,
+            CHECK_FINITE_KEY: self.check_finite,
         }
         if self.index_dtype is not None:
             params[INDEX_TYPE_KEY] = self.index_dtype
@@ -99,6 +105,7 @@ class TritonTBEOptions:
             fused_bounds_check=fused_params.pop(FUSED_BOUNDS_CHECK_KEY, False),
             hoist_transpose=fused_params.pop(HOIST_TRANSPOSE_KEY, False),
             kernel_config=fused_params.pop(KERNEL_CONFIG_KEY, None),
+            check_finite=fused_params.pop(CHECK_FINITE_KEY, False),
         )
 
 

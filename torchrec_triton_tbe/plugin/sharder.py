@@ -56,6 +56,7 @@ class TritonTBEParameterSharding(ParameterSharding):
     fused_bounds_check: bool = False
     hoist_transpose: bool = False
     kernel_config: Union[str, KernelConfig, None] = None
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_kernel != CUSTOMIZED:
@@ -79,6 +80,7 @@ class TritonTBEParameterSharding(ParameterSharding):
             fused_bounds_check=self.fused_bounds_check,
             hoist_transpose=self.hoist_transpose,
             kernel_config=self.kernel_config,
+            check_finite=self.check_finite,
         )
 
     def get_additional_fused_params(self) -> Dict[str, Any]:
