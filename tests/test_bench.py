@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import torchrec_triton_tbe  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
-from torchrec_triton_tbe.bench import cli
+from torchrec_triton_tbe.bench import cli, peers
 from torchrec_triton_tbe.bench.batches import generate_requests, generator_stats, make_workload, run_lengths
 from torchrec_triton_tbe.bench.case import BenchCase, build_parser, explicit_options, load_suite, resolve_optimizers
 from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes
+from torchrec_triton_tbe.bench.runner import RunOptions
 from torchrec_triton_tbe.bench.timing import time_steps
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
@@ -250,6 +253,10 @@ def test_cli_smoke_suite_end_to_end(tmp_path, capsys):
     assert set(env["versions"]) >= {"torch", "triton", "fbgemm_gpu", "torchrec_triton_tbe"}
     assert env["command_line"].startswith("torchrec-triton-tbe-bench --suite smoke")
     assert record["timing_meaningful"] is False and record["copy_bandwidth"] is None  # CPU
+    # --compare fbgemm alone: the JSON as before the other contenders (no speedup_<kernel>, no peer keys).
+    assert record["compare"] == "fbgemm" and "torchrec_triton" not in record
+    assert not any(k.startswith("speedup_") and k != "speedup_vs_baseline"
+                   for s in record["shapes"] for e in s["results"].values() for k in e)
 
     shapes = record["shapes"]
     assert [s["name"] for s in shapes] == ["uniform_fp16", "hot_zipf15_fp32_mean", "mixed_weighted_int32"]
@@ -321,3 +328,235 @@ def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
     if case.vbe:
         assert shape["label"].startswith("Bvbe_")
     assert shape["read_write_bytes"] > 0
+
+
+# ------------------------------------------------------------------------------------------ other contenders
+# A stand-in for TorchRec's Triton TBE checkout (CI has none): the three files, importing each other under
+# their real names, the AMD-only ads_mkl module unguarded (as the real ones), and a FeatureGateName without
+# DISABLE_OFFSETS_ADJUSTMENT (as fbgemm-gpu 1.6.0's). The class is a small SUM TBE in plain PyTorch with
+# the real one's interface: exact SGD / row-wise Adagrad applied to a flat weight during backward.
+_FAKE_UTILS = """
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+OPTIM_TYPE_TO_INT = {OptimType.EXACT_SGD: 0, OptimType.EXACT_ROWWISE_ADAGRAD: 1}
+from ads_mkl.ops.triton.amd.triton_table_batched_embeddings import _FIXED_GRID as _AMD_FIXED_GRID
+"""
+_FAKE_FUSED = """
+from torchrec.distributed.triton_tbe.triton_tbe_backward_utils import OPTIM_TYPE_TO_INT
+FUSED = "fused"
+"""
+_FAKE_MAIN = """
+import enum
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from torchrec.distributed.triton_tbe.triton_tbe_backward_long_run_fused import FUSED
+from torchrec.distributed.triton_tbe.triton_tbe_backward_utils import OPTIM_TYPE_TO_INT
+from ads_mkl.ops.triton.amd.triton_table_batched_embeddings import (
+    triton_tbe_forward_weighted_kernel as _amd_fwd_weighted_kernel,
+)
+VERSION = "{version}"
+
+
+class FeatureGateName(enum.Enum):  # fbgemm-gpu 1.6.0's has no DISABLE_OFFSETS_ADJUSTMENT
+    TBE_V2 = 1
+
+
+class TritonTableBatchedEmbeddingBags(torch.nn.Module):
+    def __init__(self, embedding_specs, feature_table_map=None, weights_precision=torch.float32,
+                 output_dtype=torch.float32, stochastic_rounding=True, learning_rate=0.01, eps=0.1,
+                 optimizer=OptimType.EXACT_SGD, device=None, hoist_transpose_to_forward=False,
+                 bag_size_hints=None, fused_bounds_check=False):
+        super().__init__()
+        self.embedding_specs = embedding_specs
+        self.lr, self.eps, self.optimizer, self.output_dtype = learning_rate, eps, optimizer, output_dtype
+        self.sizes = [r * d for r, d in embedding_specs]
+        self.weight = torch.empty(sum(self.sizes), dtype=weights_precision, device=device)
+        rows = sum(r for r, _ in embedding_specs)
+        self.momentum = torch.zeros(rows if optimizer == OptimType.EXACT_ROWWISE_ADAGRAD else 1, device=device)
+        self.bounds_check_mode = BoundsCheckMode.V2_WARNING
+        self._disable_offsets_adjustment = FeatureGateName.DISABLE_OFFSETS_ADJUSTMENT.is_enabled()
+        OPTIM_TYPE_TO_INT[optimizer]  # as the real one's backward: a KeyError for other optimizers
+
+    def split_embedding_weights(self):
+        return [w.view(r, d) for w, (r, d) in zip(self.weight.detach().split(self.sizes), self.embedding_specs)]
+
+    def split_optimizer_states(self):
+        if self.optimizer == OptimType.EXACT_SGD:
+            return [() for _ in self.embedding_specs]
+        return [(m,) for m in self.momentum.split([r for r, _ in self.embedding_specs])]
+
+    def record_forward_event(self):
+        raise AssertionError("the bench replaces this on CPU")
+
+    def forward(self, indices, offsets, per_sample_weights=None, batch_size_per_feature_per_rank=None):
+        self.record_forward_event()
+        T = len(self.embedding_specs)
+        B = (offsets.numel() - 1) // T
+        tables = [w.clone().float().requires_grad_() for w in self.split_embedding_weights()]
+        outs = []
+        for t, w in enumerate(tables):
+            lo, hi = int(offsets[t * B]), int(offsets[(t + 1) * B])
+            psw = None if per_sample_weights is None else per_sample_weights[lo:hi]
+            outs.append(torch.nn.functional.embedding_bag(indices[lo:hi].long(), w, offsets[t * B:(t + 1) * B] - lo,
+                                                          mode="sum", per_sample_weights=psw))
+            w.register_hook(lambda g, t=t: self._step(t, g))
+        return torch.cat(outs, 1).to(self.output_dtype)
+
+    def _step(self, t, g):
+        w = self.split_embedding_weights()[t]
+        if self.optimizer == OptimType.EXACT_SGD:
+            w.sub_((self.lr * g).to(w.dtype))
+        else:
+            m = self.split_optimizer_states()[t][0]
+            m.add_(g.pow(2).mean(1))
+            w.sub_((self.lr / (m.sqrt() + self.eps))[:, None] * g)
+"""
+
+
+def _fake_checkout(root, version="1"):
+    pkg = root / "torchrec" / "distributed" / "triton_tbe"
+    pkg.mkdir(parents=True)
+    (pkg / "triton_tbe_backward_utils.py").write_text(_FAKE_UTILS)
+    (pkg / "triton_tbe_backward_long_run_fused.py").write_text(_FAKE_FUSED)
+    (pkg / "triton_table_batched_embeddings.py").write_text(_FAKE_MAIN.replace("{version}", version))
+    return root
+
+
+def test_compare_options():
+    parser = build_parser()
+    assert parser.parse_args(["--compare", "fbgemm"]).compare == ("fbgemm",)
+    args = parser.parse_args(["--compare", "fbgemm,torchrec_triton", "--torchrec-checkout", "/x"])
+    assert args.compare == ("fbgemm", "torchrec_triton") and args.torchrec_checkout == "/x"
+    assert explicit_options(parser, ["--compare", "torchrec_triton"]) == {"compare": ("torchrec_triton",)}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compare", "fbgemm,shampoo_tbe"])
+    # RunOptions: the old boolean still means FBGEMM; ours first, then the others in a fixed order.
+    cpu = torch.device("cpu")
+    assert RunOptions(cpu, compare=True).kernels == ("triton", "fbgemm")
+    assert RunOptions(cpu).kernels == ("triton",)
+    assert RunOptions(cpu, compare=("torchrec_triton", "fbgemm"), torchrec_checkout="/x").kernels == (
+        "triton", "fbgemm", "torchrec_triton")
+    with pytest.raises(ValueError, match="checkout"):
+        RunOptions(cpu, compare=("torchrec_triton",))
+
+
+def test_compare_torchrec_triton_needs_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv(peers.CHECKOUT_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["--compare", "torchrec_triton"])
+    with pytest.raises(SystemExit):  # a directory without the files
+        cli.main(["--compare", "torchrec_triton", "--torchrec-checkout", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="triton_table_batched_embeddings.py"):
+        peers.load_torchrec_triton(tmp_path)
+    monkeypatch.setenv(peers.CHECKOUT_ENV, "/from/env")
+    assert peers.checkout_from(None) == "/from/env" and peers.checkout_from("/given") == "/given"
+
+
+def test_loader_imports_a_checkout_under_torchrecs_names(tmp_path):
+    import torchrec.distributed
+
+    cls = peers.load_torchrec_triton(_fake_checkout(tmp_path / "a", "a"))
+    try:
+        mod = sys.modules[cls.__module__]
+        assert cls.__module__ == "torchrec.distributed.triton_tbe.triton_table_batched_embeddings"
+        assert mod.__file__ == str((tmp_path / "a/torchrec/distributed/triton_tbe/triton_table_batched_embeddings.py"
+                                    ).resolve())
+        assert torchrec.distributed.triton_tbe.__path__ == [str((tmp_path / "a/torchrec/distributed/triton_tbe").resolve())]
+        assert mod.FUSED == "fused" and mod.VERSION == "a"
+        # The ads_mkl stand-in existed only while the files imported; its names refuse to be used.
+        assert not any(n == "ads_mkl" or n.startswith("ads_mkl.") for n in sys.modules)
+        with pytest.raises(RuntimeError, match="stand-in"):
+            mod._amd_fwd_weighted_kernel[(1,)]()
+        # FeatureGateName without DISABLE_OFFSETS_ADJUSTMENT: the module sees it, off; the rest passes through.
+        assert mod.FeatureGateName.DISABLE_OFFSETS_ADJUSTMENT.is_enabled() is False
+        assert mod.FeatureGateName.TBE_V2.value == 1
+        module = cls([(5, 4), (3, 8)])
+        assert module._disable_offsets_adjustment is False and module.weight.numel() == 44
+        assert peers.load_torchrec_triton(tmp_path / "a") is cls  # cached
+        # Another checkout replaces the first.
+        other = peers.load_torchrec_triton(_fake_checkout(tmp_path / "b", "b"))
+        assert other is not cls and sys.modules[other.__module__].VERSION == "b"
+        info = peers.describe_torchrec_triton(tmp_path / "b")
+        assert set(info["sha256"]) == set(peers.TORCHREC_TRITON_FILES) and info["source"] is None
+    finally:
+        peers._purge(peers.TORCHREC_TRITON_PACKAGE)
+        peers._loaded.clear()
+
+
+def test_peer_skips_are_recorded_not_faked(tmp_path, capsys, monkeypatch):
+    """What the peer lacks is {"skipped": why} in that pass's entry and its check, with one log line;
+    what it has is timed (speedup_torchrec_triton = its median / ours) and checked against ours."""
+    # The fake's backward runs on CPU (the real one's needs FBGEMM's CUDA transpose_embedding_input).
+    monkeypatch.setattr(peers, "_has_kernel", lambda op, key: True)
+    checkout = _fake_checkout(tmp_path / "tr")
+    base = ["--batch-size", "4", "--num-tables", "2", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "3", "--iters", "1", "--compare", "fbgemm,torchrec_triton", "--torchrec-checkout",
+            str(checkout), "--check", "--optimizer", "exact_rowwise_adagrad,exact_adagrad"]
+    try:
+        assert cli.main(base + ["--json", str(tmp_path / "sum.json")]) == 0
+        out = capsys.readouterr().out
+        record = json.loads((tmp_path / "sum.json").read_text())
+        assert record["compare"] == "fbgemm,torchrec_triton"
+        assert record["torchrec_triton"]["checkout"] == str(checkout.resolve())
+        (shape,) = record["shapes"]
+        res, check = shape["results"], shape["check"]
+        for key in ("fwd", "bwd_exact_rowwise_adagrad"):
+            e = res[key]
+            assert e["speedup"] == pytest.approx(e["fbgemm"]["median_ms"] / e["triton"]["median_ms"])
+            assert e["speedup_torchrec_triton"] == pytest.approx(e["torchrec_triton"]["median_ms"] / e["triton"]["median_ms"])
+        lines = [p for p in map(parse_log_line, out.splitlines()) if p]
+        assert {p["prefix"] for p in lines} == {"triton", "fbgemm", "torchrec_triton", "triton exact_rowwise_adagrad",
+                                                "fbgemm exact_rowwise_adagrad", "torchrec_triton exact_rowwise_adagrad",
+                                                "triton exact_adagrad", "fbgemm exact_adagrad"}
+        assert "speedup_torchrec_triton fwd (torchrec_triton / triton median)" in out
+        # exact_adagrad: not in the peer; its forward was still timed (built with exact_sgd).
+        assert res["bwd_exact_adagrad"]["torchrec_triton"] == {"skipped": "optimizer exact_adagrad: TorchRec's Triton "
+                                                               "TBE implements exact_sgd, exact_rowwise_adagrad only"}
+        assert "speedup_torchrec_triton" not in res["bwd_exact_adagrad"] and "speedup" in res["bwd_exact_adagrad"]
+        assert out.count("torchrec_triton exact_adagrad Backward: skipped (optimizer exact_adagrad") == 1
+        rwa = check["exact_rowwise_adagrad"]["torchrec_triton"]
+        assert rwa["ok"] and rwa["output"]["mismatched"] == 0 and rwa["weights_after_backward"]["numel"] == 20 * 8 * 2
+        assert rwa["state_after_backward"]["ok"]
+        ada = check["exact_adagrad"]["torchrec_triton"]
+        assert ada["output"]["ok"] and "skipped" in ada["weights_after_backward"]
+        assert check["exact_adagrad"]["output"]["ok"] and check["exact_adagrad"]["weights_after_backward"]["ok"]
+
+        # MEAN pooling: nothing of the peer runs; every pass and the check say so.
+        assert cli.main(base + ["--pooling", "mean", "--json", str(tmp_path / "mean.json")]) == 0
+        out = capsys.readouterr().out
+        shape = json.loads((tmp_path / "mean.json").read_text())["shapes"][0]
+        why = {"skipped": "pooling mean: TorchRec's Triton TBE implements SUM only"}
+        assert all(e["torchrec_triton"] == why and "speedup_torchrec_triton" not in e for e in shape["results"].values())
+        assert all(c["torchrec_triton"] == why and c["ok"] for c in shape["check"].values())
+        assert out.count("skipped (pooling mean") == 3  # fwd and two backwards
+        assert not [p for p in map(parse_log_line, out.splitlines()) if p and p["prefix"].startswith("torchrec")]
+    finally:
+        peers._purge(peers.TORCHREC_TRITON_PACKAGE)
+        peers._loaded.clear()
+
+
+@pytest.mark.skipif(not os.environ.get(peers.CHECKOUT_ENV), reason=f"${peers.CHECKOUT_ENV} (a TorchRec checkout) unset")
+@pytest.mark.parametrize("argv", [
+    ["--weights-precision", "fp16", "--indices-dtype", "32"],
+    ["--num-tables", "3", "--batch-size-list", "4,7,2", "--bag-size-list", "2,4,1", "--num-embeddings-list",
+     "30,60,7", "--embedding-dim-list", "8,12,16", "--weighted"],
+], ids=["fp16-int32", "vbe-weighted"])
+def test_real_torchrec_triton_forward_matches_ours(tmp_path, argv):
+    """TorchRec's real Triton TBE (from $TORCHREC_CHECKOUT) under Triton's interpreter: its forward
+    against ours. On CPU its backward is skipped (FBGEMM's transpose_embedding_input is CUDA-only)."""
+    out_json = tmp_path / "r.json"
+    argv = ["--batch-size", "4", "--num-tables", "2", "--num-embeddings", "30", "--embedding-dim", "8",
+            "--bag-size", "3", *argv, "--iters", "1", "--compare", "torchrec_triton", "--check",
+            "--optimizer", "exact_rowwise_adagrad", "--json", str(out_json)]
+    try:
+        assert cli.main(argv) == 0
+        shape = json.loads(out_json.read_text())["shapes"][0]
+        assert "error" not in shape, shape.get("error")
+        check = shape["check"]["exact_rowwise_adagrad"]["torchrec_triton"]
+        assert check["ok"] and check["output"]["mismatched"] == 0 and check["output"]["numel"] > 0
+        assert "median_ms" in shape["results"]["fwd"]["torchrec_triton"]
+        if not torch.cuda.is_available():
+            assert "transpose_embedding_input" in shape["results"]["bwd_exact_rowwise_adagrad"]["torchrec_triton"]["skipped"]
+    finally:
+        peers._purge(peers.TORCHREC_TRITON_PACKAGE)
+        peers._loaded.clear()

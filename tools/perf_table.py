@@ -4,6 +4,8 @@ ratios, and each backward's achieved traffic against a floor.
     python tools/perf_table.py docs/results/h200-<date>.json
 
 A backward-only JSON (--passes bwd, several --optimizer) gets the per-optimizer table instead.
+A JSON with another contender (--compare fbgemm,torchrec_triton) gets its columns too: its ms and
+speedup_<kernel> (its median / ours), "skipped" where it could not run the pass.
 
 Backward floor (row-wise Adagrad): every lookup's gradient row read once (D * 4 B, fp32 output
 gradients), every unique row read and written once (2 * D * weight bytes) plus 8 B of state, at the
@@ -15,6 +17,28 @@ import math
 import sys
 
 WBYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+PEER_LABEL = {"torchrec_triton": "TorchRec-Triton"}
+
+
+def peers(d: dict) -> list:
+    """Contenders besides ours and FBGEMM's that the JSON has entries for (--compare ...,torchrec_triton)."""
+    found = {k for s in d["shapes"] for e in s.get("results", {}).values() for k, v in e.items()
+             if isinstance(v, dict) and k not in ("triton", "fbgemm")}
+    return sorted(found)
+
+
+def peer_cells(x: dict, peer: str) -> list:
+    """[ms, ratio] of one contender in one pass entry: "skipped" / "—" where it has none."""
+    t = x.get(peer)
+    if t is None:
+        return ["—", "—"]
+    if "skipped" in t:
+        return ["skipped", "—"]
+    return [f"{t['median_ms']:.3f}", f"{x[f'speedup_{peer}']:.2f}×"]
+
+
+def geo(v: list) -> str:
+    return f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}×" if v else "—"
 
 
 def optimizer_table(d: dict) -> None:
@@ -24,8 +48,10 @@ def optimizer_table(d: dict) -> None:
     names = [k[len("bwd_"):] for k in keys]
     g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     env = d["environment"]
+    others = peers(d)
     print(f"H200 vs FBGEMM {env['versions']['fbgemm_gpu']['version']}, backward per optimizer "
-          f"({env['date'][:10]}, {env['git_commit']}); cells: ours ms / FBGEMM ms = FBGEMM / ours")
+          f"({env['date'][:10]}, {env['git_commit']}); cells: ours ms / FBGEMM ms = FBGEMM / ours"
+          + "".join(f"; {PEER_LABEL.get(p, p)} ms = it / ours" for p in others))
     print()
     print("| shape | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 1))
@@ -39,7 +65,11 @@ def optimizer_table(d: dict) -> None:
                 continue
             t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
             ratios[k].append((sp, s["name"]))
-            cells.append(f"{t:.3f} / {f:.3f} = {sp:.2f}×")
+            cell = f"{t:.3f} / {f:.3f} = {sp:.2f}×"
+            for p in others:
+                ms, r = peer_cells(x, p)
+                cell += f"; {PEER_LABEL.get(p, p)} {ms}" + ("" if r == "—" else f" = {r}")
+            cells.append(cell)
         print("| " + " | ".join(cells) + " |")
     print("| geo-mean (worst) | " + " | ".join(
         f"{g([r for r, _ in ratios[k]]):.2f}× ({min(ratios[k])[0]:.2f}× {min(ratios[k])[1]})" for k in keys) + " |")
@@ -53,7 +83,10 @@ def main(path: str) -> None:
     env = d["environment"]
     copy_gbps = d["copy_bandwidth"]["gbps"]
     fwd, bwd, worst = [], [], (math.inf, "")
-    rows = []
+    others = peers(d)
+    PASSES = ("fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad")
+    peer_ratios = {(p, k): [] for p in others for k in PASSES}
+    rows, peer_rows = [], []
     for s in d["shapes"]:
         r = s["results"]
         o = s["options"]
@@ -63,8 +96,13 @@ def main(path: str) -> None:
         floor_bytes = s["lookups"] * D_mean * 4 + gen["unique_rows"] * (2 * D_mean * wb + 8)
         floor_ms = floor_bytes / copy_gbps / 1e6
         cells = [s["name"], f"{s['lookups'] / 1e6:.2f}M"]
-        for p in ("fwd", "bwd_exact_sgd", "bwd_exact_rowwise_adagrad"):
+        pcells = [s["name"]]
+        for p in PASSES:
             x = r[p]
+            for peer in others:
+                pcells += peer_cells(x, peer)
+                if f"speedup_{peer}" in x:
+                    peer_ratios[(peer, p)].append(x[f"speedup_{peer}"])
             t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
             cells += [f"{t:.3f}", f"{f:.3f}", f"{sp:.2f}×"]
             if p == "fwd":
@@ -76,6 +114,7 @@ def main(path: str) -> None:
             if p != "bwd_exact_sgd" and sp < worst[0]:
                 worst = (sp, f"{s['name']} {p}")
         rows.append(cells)
+        peer_rows.append(pcells)
     g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     fb = env["versions"]["fbgemm_gpu"]["version"]
     date = env["date"][:10]
@@ -89,6 +128,21 @@ def main(path: str) -> None:
     print("|" + "---|" * 14)
     for c in rows:
         print("| " + " | ".join(c[:6] + c[6:9] + c[9:]) + " |")
+    if not others:
+        return
+    # Each other contender: its ms and its median / ours per pass (> 1: ours faster), geo-mean over the
+    # shapes it ran.
+    names = {"fwd": "fwd", "bwd_exact_sgd": "bwd SGD", "bwd_exact_rowwise_adagrad": "bwd RWA"}
+    print()
+    print("; ".join(f"{PEER_LABEL.get(p, p)} / ours geo-mean: " + ", ".join(
+        f"{names[k]} {geo(peer_ratios[(p, k)])} ({len(peer_ratios[(p, k)])} shapes)" for k in PASSES)
+        for p in others))
+    print()
+    print("| shape | " + " | ".join(f"{names[k]} {PEER_LABEL.get(p, p)} ms | {names[k]} {PEER_LABEL.get(p, p)} / ours"
+                                  for k in PASSES for p in others) + " |")
+    print("|" + "---|" * (1 + 2 * len(PASSES) * len(others)))
+    for c in peer_rows:
+        print("| " + " | ".join(c) + " |")
 
 
 if __name__ == "__main__":

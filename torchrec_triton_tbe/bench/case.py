@@ -31,6 +31,8 @@ PASSES = ("fwd", "bwd")
 POOLINGS = ("sum", "mean", "none")
 LIST_FIELDS = ("embedding_dim_list", "num_embeddings_list", "bag_size_list", "alpha_list", "batch_size_list")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
+COMPARE_KERNELS = ("fbgemm", "torchrec_triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-table batch sizes: a variable batch per feature (VBE), as FBGEMM's vbe command")
     x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
                    help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
-    x.add_argument("--compare", choices=("fbgemm",), default=None,
-                   help="also run FBGEMM's TBE on the same batches with the same initial weights")
+    x.add_argument("--compare", type=_comma_list(str, COMPARE_KERNELS), default=None,
+                   help="comma-separated, of: fbgemm (FBGEMM's TBE), torchrec_triton (TorchRec's Triton TBE, "
+                   "from --torchrec-checkout): also run them on the same batches with the same initial weights")
+    x.add_argument("--torchrec-checkout", default=None,
+                   help="for --compare torchrec_triton: a directory holding torchrec/distributed/triton_tbe/*.py "
+                   "(default $TORCHREC_CHECKOUT; tools/stage_torchrec_triton.sh makes .stage/torchrec)")
     x.add_argument("--check", action="store_true",
-                   help="compare outputs (and weights after one backward) of both kernels on the first batch")
+                   help="compare outputs (and weights after one backward) of every compared kernel against "
+                   "ours on the first batch")
     x.add_argument("--suite", default=None, help="shape suite: a name in configs/suites/ or a YAML path")
     x.add_argument("--only", type=_comma_list(str), default=None, help="run only these suite shapes (names)")
     x.add_argument("--json", default=None, help="write results here (rewritten after every shape)")

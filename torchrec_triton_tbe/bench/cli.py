@@ -4,14 +4,17 @@
     torchrec-triton-tbe-bench --weights-precision fp16
     # the H200 suite, A/B against FBGEMM in the same process, checked, with JSON and plot
     torchrec-triton-tbe-bench --suite h200 --compare fbgemm --check --json h200.json --plot h200.png
+    # a third contender: TorchRec's Triton TBE, from a checkout (tools/stage_torchrec_triton.sh)
+    torchrec-triton-tbe-bench --suite h200 --compare fbgemm,torchrec_triton --torchrec-checkout .stage/torchrec
 
 The JSON records the GPU, clocks, versions, git commit (TORCHREC_TRITON_TBE_GIT_COMMIT if set — on a
 copy of the tree without .git, or with a stale one — else ``git rev-parse HEAD``) and a sha256 of the package sources. A suite too long for one
 command can run in parts (``--only a,b``) and be merged: ``python -m torchrec_triton_tbe.bench.report``.
 
 Per case it prints FBGEMM's lines (``Forward, B: ..., BW: X GB/s, T: Yus``; ``Backward, ...``), one per
-kernel, prefixed by the kernel (and optimizer), then the speed-up (FBGEMM median / ours). Exit status
-1 when a case failed or ``--check`` found a mismatch.
+kernel, prefixed by the kernel (and optimizer), then the speed-up (FBGEMM median / ours; a peer's as
+``speedup_<kernel>``, its median / ours, or one ``<kernel> ...: skipped (why)`` line for a pass it cannot
+run). Exit status 1 when a case failed or ``--check`` found a mismatch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchrec_triton_tbe import _env
+from torchrec_triton_tbe.bench import peers
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import (
     CASE_FIELDS,
@@ -67,7 +71,9 @@ def _shapes(args, given: dict[str, Any]) -> tuple[Optional[dict], list[SuiteShap
 
 
 def _summary(record: dict[str, Any]) -> list[str]:
-    lines = [f"{'shape':<28} {'pass':<28} {'triton ms':>10} {'fbgemm ms':>10} {'speed-up':>9} {'baseline':>9}"]
+    peer_names = [k for k in (record.get("compare") or "").split(",") if k and k != "fbgemm"]
+    head = f"{'shape':<28} {'pass':<28} {'triton ms':>10} {'fbgemm ms':>10} {'speed-up':>9} {'baseline':>9}"
+    lines = [head + "".join(f" {p + ' ms':>20} {'speed-up':>9}" for p in peer_names)]
     for shape in record["shapes"]:
         if "error" in shape:
             lines.append(f"{shape['name']:<28} ERROR {shape['error'].splitlines()[-1][:80]}")
@@ -76,11 +82,16 @@ def _summary(record: dict[str, Any]) -> list[str]:
             fb = entry.get("fbgemm", {}).get("median_ms")
             sp = entry.get("speedup")
             base = entry.get("baseline_ms")
-            lines.append(
+            line = (
                 f"{shape['name']:<28} {key:<28} {entry['triton']['median_ms']:>10.3f} "
                 f"{'' if fb is None else f'{fb:.3f}':>10} {'' if sp is None else f'{sp:.3f}x':>9} "
                 f"{'' if base is None else f'{base:.3f}':>9}"
             )
+            for p in peer_names:
+                t, psp = entry.get(p, {}), entry.get(f"speedup_{p}")
+                ms = "skipped" if "skipped" in t else ("" if t.get("median_ms") is None else f"{t['median_ms']:.3f}")
+                line += f" {ms:>20} {'' if psp is None else f'{psp:.3f}x':>9}"
+            lines.append(line)
     return lines
 
 
@@ -90,7 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     given = explicit_options(parser, argv)
     if args.check and not args.compare:
-        parser.error("--check compares against FBGEMM: add --compare fbgemm")
+        parser.error("--check compares against another kernel: add --compare fbgemm (and/or torchrec_triton)")
+    compare = tuple(dict.fromkeys(args.compare or ()))  # as given, once each
+    checkout = peers.checkout_from(args.torchrec_checkout)
+    if "torchrec_triton" in compare:
+        if not checkout:
+            parser.error(f"--compare torchrec_triton needs --torchrec-checkout PATH (or ${peers.CHECKOUT_ENV})")
+        try:
+            peers.load_torchrec_triton(checkout)  # fail here, not in every shape
+        except (FileNotFoundError, ImportError) as exc:
+            parser.error(f"--torchrec-checkout: {exc}")
     if not args.verbose:
         # fbgemm_gpu's request module calls logging.basicConfig(DEBUG) on import, and its TBE logs its
         # configuration at INFO; keep warnings (the generator's uniform fallback is one).
@@ -103,21 +123,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = _device()
     opts = RunOptions(
         device=device,
-        compare=args.compare == "fbgemm",
+        compare=compare,
         check=args.check,
         kernel_config=args.kernel_config,
         fused_bounds_check=args.fused_bounds_check,
         hoist_transpose=args.hoist_transpose,
+        torchrec_checkout=checkout if "torchrec_triton" in compare else None,
     )
     cuda = device.type == "cuda"
     record: dict[str, Any] = {
         "environment": environment(device, argv),
         "suite": header,
-        "compare": args.compare,
+        "compare": ",".join(compare) if compare else None,  # "fbgemm" as it always was
         "timing_method": TIMED_BY_EVENTS if cuda else TIMED_BY_WALL_CLOCK,
         "timing_meaningful": cuda,
         "byte_model": "FBGEMM: out_bytes*B*sum(Ds) + param_bytes*B*sum(Ds)*L; backward GB/s uses 2x",
         "speedup_definition": "fbgemm median ms / triton median ms (> 1: TritonTBE faster)",
+        **({"peer_speedup_definition": "speedup_<kernel>: <kernel> median ms / triton median ms; a pass the "
+            "kernel cannot run has {\"skipped\": reason} in place of its times"}
+           if any(k != "fbgemm" for k in compare) else {}),
+        **({"torchrec_triton": peers.describe_torchrec_triton(checkout)} if "torchrec_triton" in compare else {}),
         "copy_bandwidth": measure_copy_bandwidth(device=device) if cuda else None,
         "shapes": [],
     }

@@ -1,10 +1,17 @@
-"""One case: build TritonTBE (and FBGEMM's TBE) with identical weights, check, time, log.
+"""One case: build TritonTBE (and FBGEMM's TBE, TorchRec's Triton TBE) with identical weights, check,
+time, log.
 
 Constructor arguments are those FBGEMM's ``device`` command passes (``learning_rate=0.1``, ``eps=0.1``,
 ``feature_table_map=range(T)``, the case's precisions, pooling, bounds check and rounding). Forward is
 optimizer-independent, so it is timed once per case (with the first optimizer's modules); the
 backward is timed per optimizer. Both kernels update weights in place during the backward runs, as
 in FBGEMM's benchmark; that changes values, not the work done.
+
+Peers (``bench/peers.py``: TorchRec's Triton TBE, loaded from a checkout) get the same constructor
+arguments where they have them. A pass a peer cannot run (MEAN or sequence pooling, an optimizer it
+lacks, ...) is recorded as ``{"skipped": reason}`` under the peer in that pass's entry, with one log line;
+its forward is still timed when only the optimizer is missing (built with exact_sgd: the forward does not
+depend on it).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from torchrec_triton_tbe._fbgemm import (
     PoolingMode,
     SparseType,
 )
+from torchrec_triton_tbe.bench import peers
 from torchrec_triton_tbe.bench.batches import Workload
-from torchrec_triton_tbe.bench.case import OPTIMIZERS
+from torchrec_triton_tbe.bench.case import COMPARE_KERNELS, OPTIMIZERS
 from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps, log_line
 from torchrec_triton_tbe.bench.timing import time_steps
 from torchrec_triton_tbe.module import TritonTBE
@@ -37,24 +45,55 @@ _POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMod
 _FWD_TOL = {"fp32": (1e-5, 1e-5), "fp16": (8e-3, 8e-3), "bf16": (4e-2, 4e-2)}
 _WEIGHT_TOL = {"fp32": (1e-4, 1e-3), "fp16": (5e-3, 2e-2), "bf16": (4e-2, 4e-2)}
 _RANK = ("fp32", "fp16", "bf16")
-KERNELS = ("triton", "fbgemm")
+KERNELS = ("triton", *COMPARE_KERNELS)  # ours first; the speed-ups are theirs / ours
 
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     device: torch.device
-    compare: bool = False
+    # Kernels to run besides ours, of COMPARE_KERNELS; a bool still works (True: ("fbgemm",), the old flag).
+    compare: tuple[str, ...] = ()
     check: bool = False
     kernel_config: Optional[str] = None
     fused_bounds_check: bool = False
     hoist_transpose: bool = False
+    torchrec_checkout: Optional[str] = None  # for "torchrec_triton": holds torchrec/distributed/triton_tbe/
+
+    def __post_init__(self) -> None:
+        compare = self.compare
+        if isinstance(compare, bool):
+            compare = ("fbgemm",) if compare else ()
+        elif isinstance(compare, str):
+            compare = tuple(x for x in compare.split(",") if x)
+        compare = tuple(compare)
+        unknown = [k for k in compare if k not in COMPARE_KERNELS]
+        if unknown:
+            raise ValueError(f"compare {unknown}: choose from {', '.join(COMPARE_KERNELS)}")
+        if "torchrec_triton" in compare and not self.torchrec_checkout:
+            raise ValueError("compare torchrec_triton needs a TorchRec checkout (--torchrec-checkout or "
+                             f"${peers.CHECKOUT_ENV})")
+        object.__setattr__(self, "compare", compare)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return ("triton", *(k for k in COMPARE_KERNELS if k in self.compare))
 
 
 def _least_precise(*names: str) -> str:
     return max(names, key=_RANK.index)
 
 
+def skip_reason(kernel: str, w: Workload, optimizer: Optional[str], device: torch.device) -> Optional[str]:
+    """Why ``kernel`` cannot run this case's forward (``optimizer`` None) or its backward with
+    ``optimizer``; None when it can. Ours and FBGEMM's run everything the bench offers."""
+    if kernel in ("triton", "fbgemm"):
+        return None
+    return peers.peer_skip_reason(kernel, w.case, optimizer, device)
+
+
 def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, torch.nn.Module]:
+    """Ours and every compared kernel that can run at least this case's forward, with identical weights.
+    A peer lacking ``optimizer`` is built with exact_sgd (its forward is the same)."""
     case = w.case
     common = dict(
         feature_table_map=list(range(case.num_tables)),
@@ -81,7 +120,7 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
         for table in ours.split_embedding_weights():
             table.uniform_(-0.01, 0.01, generator=gen)
     modules: dict[str, torch.nn.Module] = {"triton": ours}
-    if opts.compare:
+    if "fbgemm" in opts.compare:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
         cuda = opts.device.type == "cuda"
@@ -97,6 +136,16 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
             for src, dst in zip(ours.split_embedding_weights(), fbgemm.split_embedding_weights()):
                 dst.copy_(src)
         modules["fbgemm"] = fbgemm
+    if "torchrec_triton" in opts.compare and skip_reason("torchrec_triton", w, None, opts.device) is None:
+        peer_optimizer = optimizer if skip_reason("torchrec_triton", w, optimizer, opts.device) is None \
+            else "exact_sgd"
+        peer = peers.build_torchrec_triton(
+            opts.torchrec_checkout, list(zip(rows, w.Ds)), case, peer_optimizer, opts.device,
+            fused_bounds_check=opts.fused_bounds_check, hoist_transpose=opts.hoist_transpose)
+        with torch.no_grad():  # same initial weights (its own are torch.empty)
+            for src, dst in zip(ours.split_embedding_weights(), peer.split_embedding_weights()):
+                dst.copy_(src)
+        modules["torchrec_triton"] = peer
     return modules
 
 
@@ -139,32 +188,64 @@ def _compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float, rows_pe
 
 def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimizer: str) -> dict[str, Any]:
     """Forward outputs on the first batch, then weights and every optimizer state tensor after one
-    backward."""
+    backward, of every other kernel against ours. FBGEMM's comparison keeps its top-level keys
+    (``output``, ``weights_after_backward``, ``state_after_backward``); a peer's sits under its name, its
+    weights and state compared only where it ran this optimizer's backward (else ``{"skipped": why}``)."""
     case = w.case
-    outs = {}
+    device = w.grad_output.device
+    outs, stepped = {}, set()
     for name, module in modules.items():
         out = _call(module, w, 0)
-        out.backward(w.grad_output)
+        if skip_reason(name, w, optimizer, device) is None:
+            out.backward(w.grad_output)
+            stepped.add(name)
         outs[name] = out.detach()
-    ours, ref = modules["triton"], modules["fbgemm"]
-    result: dict[str, Any] = {"output": _compare(outs["triton"], outs["fbgemm"],
-                                                 *_FWD_TOL[_least_precise(case.weights_precision, case.output_dtype)])}
+    ours = modules["triton"]
+    f_tol = _FWD_TOL[_least_precise(case.weights_precision, case.output_dtype)]
     w_tol = _WEIGHT_TOL[_least_precise(case.weights_precision, case.output_dtype)]
-    per_table = [_compare(a, b, *w_tol) for a, b in zip(ours.split_embedding_weights(), ref.split_embedding_weights())]
-    result["weights_after_backward"] = _merge(per_table)
     s_tol = (1e-6, 1e-3) if case.output_dtype == "fp32" else (1e-4, 1e-2)
-    # State after one step is a function of each gradient sum, which for a hot row of ~10^4 lookups can
-    # cancel down to far below its terms: its fp32 error (summation order) is relative to the terms, not
-    # to the sum. So the absolute tolerance scales with the tensor's largest value (H200, 2026-12-01:
-    # Adagrad / Adam / LAMB states were off in 4-19 of 2-8 billion elements with a fixed 1e-6, weights
-    # all within theirs).
-    states = [_compare(a, b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
-              for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
-              for a, b in zip(mine, theirs)]
-    if states:
-        result["state_after_backward"] = _merge(states)
-    result["ok"] = all(v["ok"] for v in result.values() if isinstance(v, dict))
+
+    def against(name: str) -> dict[str, Any]:
+        ref = modules[name]
+        part: dict[str, Any] = {"output": _compare(outs["triton"], outs[name], *f_tol)}
+        if name not in stepped:
+            part["weights_after_backward"] = {"skipped": skip_reason(name, w, optimizer, device)}
+            return part
+        per_table = [_compare(a, b, *w_tol) for a, b in zip(ours.split_embedding_weights(), ref.split_embedding_weights())]
+        part["weights_after_backward"] = _merge(per_table)
+        # State after one step is a function of each gradient sum, which for a hot row of ~10^4 lookups
+        # can cancel down to far below its terms: its fp32 error (summation order) is relative to the
+        # terms, not to the sum. So the absolute tolerance scales with the tensor's largest value (H200,
+        # 2026-12-01: Adagrad / Adam / LAMB states were off in 4-19 of 2-8 billion elements with a fixed
+        # 1e-6, weights all within theirs).
+        states = [_compare(a, b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
+                  for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
+                  for a, b in zip(mine, theirs)]
+        if states:
+            part["state_after_backward"] = _merge(states)
+        return part
+
+    result: dict[str, Any] = {}
+    if "fbgemm" in modules:
+        result.update(against("fbgemm"))
+    for name in modules:
+        if name not in ("triton", "fbgemm"):
+            result[name] = against(name)
+            result[name]["ok"] = _all_ok(result[name])
+    result["ok"] = _all_ok(result)
     return result
+
+
+def _all_ok(part: dict[str, Any]) -> bool:
+    return all(v["ok"] for v in part.values() if isinstance(v, dict) and "ok" in v)
+
+
+def check_summary(name: str, check: dict[str, Any]) -> str:
+    """``<kernel> output max|diff| ..., weights max|diff| ...`` of one kernel's check part."""
+    def diff(v: dict) -> str:
+        return f"{v['max_abs_diff']:.3e}" if "max_abs_diff" in v else f"skipped: {v['skipped']}"
+
+    return f"{name} output max|diff| {diff(check['output'])}, weights max|diff| {diff(check['weights_after_backward'])}"
 
 
 def _merge(parts: list[dict]) -> dict:
@@ -210,21 +291,30 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
         "results": {},
         "check": {} if opts.check else None,
     }
-    kernels = KERNELS if opts.compare else KERNELS[:1]
+    kernels = opts.kernels
     warmup = case.warmup_runs + 1  # FBGEMM's benchmark_requests always adds one
 
-    def measure(modules, key: str, make_step, backward: bool, prefix_extra: str) -> None:
+    def measure(modules, key: str, make_step, backward: bool, prefix_extra: str, optimizer: Optional[str]) -> None:
         entry: dict[str, Any] = {}
         for kernel in kernels:
+            reason = skip_reason(kernel, w, optimizer, opts.device)
+            if reason is not None:
+                entry[kernel] = {"skipped": reason}
+                emit(f"{kernel}{prefix_extra} {'Backward' if backward else 'Forward'}: skipped ({reason})")
+                continue
             timing = time_steps(make_step(modules[kernel], w), case.iters, warmup, opts.device,
                                 case.flush_gpu_cache_size_mb)
             bw = gbps(rw_bytes, timing.median_ms, backward)
             entry[kernel] = {**timing.as_dict(), "gbps": bw}
             emit(log_line(f"{kernel}{prefix_extra}", backward, B, E, T, w.D_logged, L, case.weighted, bw,
                           timing.median_ms * 1e3))
-        if opts.compare:
-            entry["speedup"] = entry["fbgemm"]["median_ms"] / entry["triton"]["median_ms"]
-            emit(f"speedup {key} (fbgemm / triton median): {entry['speedup']:.3f}x")
+        for kernel in kernels[1:]:
+            if "median_ms" not in entry[kernel]:
+                continue
+            # FBGEMM's keeps its historical name, "speedup"; others are "speedup_<kernel>".
+            name = "speedup" if kernel == "fbgemm" else f"speedup_{kernel}"
+            entry[name] = entry[kernel]["median_ms"] / entry["triton"]["median_ms"]
+            emit(f"{name} {key} ({kernel} / triton median): {entry[name]:.3f}x")
         if baseline_ms and baseline_ms.get(key) is not None:
             entry["baseline_ms"] = baseline_ms[key]
             entry["speedup_vs_baseline"] = baseline_ms[key] / entry["triton"]["median_ms"]
@@ -234,13 +324,19 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
         modules = build_modules(w, optimizer, opts)
         if opts.check:
             record["check"][optimizer] = check = check_first_batch(modules, w, optimizer)
-            emit(f"[{case.name}] check {optimizer}: {'ok' if check['ok'] else 'MISMATCH'} "
-                 f"(output max|diff| {check['output']['max_abs_diff']:.3e}, weights max|diff| "
-                 f"{check['weights_after_backward']['max_abs_diff']:.3e})")
+            for name in opts.kernels:  # a compared kernel that cannot run this case at all
+                if name not in modules:
+                    check[name] = {"skipped": skip_reason(name, w, None, opts.device)}
+            parts = [check_summary("fbgemm", check)] if "fbgemm" in modules else []
+            parts += [check_summary(n, check[n]) if n in modules else f"{n} skipped: {check[n]['skipped']}"
+                      for n in opts.kernels if n not in ("triton", "fbgemm")]
+            if "fbgemm" in modules and len(parts) == 1:  # FBGEMM only: the line as it always was
+                parts = [parts[0][len("fbgemm "):]]
+            emit(f"[{case.name}] check {optimizer}: {'ok' if check['ok'] else 'MISMATCH'} ({'; '.join(parts)})")
         if "fwd" in case.passes and k == 0:
-            measure(modules, "fwd", forward_step, False, "")
+            measure(modules, "fwd", forward_step, False, "", None)
         if "bwd" in case.passes:
-            measure(modules, f"bwd_{optimizer}", backward_step, True, f" {optimizer}")
+            measure(modules, f"bwd_{optimizer}", backward_step, True, f" {optimizer}", optimizer)
         del modules
         if opts.device.type == "cuda":
             torch.cuda.empty_cache()
