@@ -19,6 +19,12 @@
 #               configs of configs/sm90.yaml), on the multi-bucket STREAM_SHAPES, then the GPU stream test
 #   tile-opt    element-wise-state optimizers with the fp16 tile table instead of the fp32 one (the
 #               default for rows carrying 4+ bytes per element), on two shapes
+#   sanitizer   tests/gpu/test_gpu_sanitizer.py: tools/sanitize_cases.py under compute-sanitizer's memcheck,
+#               racecheck, synccheck and initcheck (logs and summary.txt in $OUT/sanitizer)
+#   reliability tests/gpu/test_gpu_reliability.py: determinism across runs and schedules, extremes
+#   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
+#               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
+#               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
 # every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
 # warm, so the suite runs with the swept knobs (commit that file afterwards). The device copy has no
@@ -27,6 +33,8 @@ set -o pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OPT_SHAPES=${OPT_SHAPES:-fbgemm_default,b64k_uniform,b64k_zipf115,d64_zipf115,mixed_d32_256_zipf115,weighted_zipf115,fp32_zipf115}
 OPTIMIZERS=${OPTIMIZERS:-exact_adagrad,partial_rowwise_adam,lamb,partial_rowwise_lamb,lars_sgd,exact_rowwise_adagrad}
+# SUM-pooled, fixed-batch shapes TorchRec's Triton TBE runs (it has no MEAN / sequence pooling).
+PEER_SHAPES=${PEER_SHAPES:-fbgemm_default,prod_t40_b16k,prod_t40_b64k,prod_t100_b2k,dlrm_t26_l1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f /tmp/sm90_swept.yaml ] && cp /tmp/sm90_swept.yaml configs/sm90.yaml
 keep() { cp configs/sm90.yaml /tmp/sm90_swept.yaml; cp configs/sm90.yaml "$OUT/sm90.yaml"; }
@@ -97,6 +105,21 @@ PY
           | grep "Forward\|rror" | quiet
       done
       timeout 120 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_training.py -k bucket_streams 2>&1 | tail -3 ;;
+    sanitizer) SANITIZER_LOG_DIR="$OUT/sanitizer" timeout ${SANITIZER_TIMEOUT:-540} python -m pytest -q \
+      -p no:cacheprovider tests/gpu/test_gpu_sanitizer.py 2>&1 | tee "$OUT/tests_sanitizer.txt" | tail -6
+      cat "$OUT/sanitizer/summary.txt" ;;
+    reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;
+    peers)
+      [ -f .stage/torchrec/torchrec/distributed/triton_tbe/triton_table_batched_embeddings.py ] || {
+        echo "no .stage/torchrec: run tools/stage_torchrec_triton.sh and carry .stage/torchrec"; continue; }
+      cat .stage/torchrec/SOURCE 2> /dev/null
+      timeout 540 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm,torchrec_triton \
+        --torchrec-checkout .stage/torchrec --check --iters 20 --passes fwd,bwd \
+        --optimizer exact_sgd,exact_rowwise_adagrad --only "$PEER_SHAPES" \
+        --json "$OUT/h200_peers.json" > "$OUT/peers.log" 2>&1; echo "rc=$?"
+      grep -i "check\|skipped\|error\|fail" "$OUT/peers.log" | grep -v "_fbgemm_torch_compat" | tail -12
+      python tools/perf_table.py "$OUT/h200_peers.json" | tail -20 ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

@@ -1,0 +1,262 @@
+"""Determinism and extremes on the GPU (docs/reliability.md). Run on the device machine:
+python -m pytest -q tests/gpu/test_gpu_reliability.py.
+
+Determinism: weights and every state tensor bitwise identical across repeated runs and across the
+schedule knobs that keep the summation order (hoisted transpose, CUDA graphs, fused / split long path,
+D-bucket streams, torch.use_deterministic_algorithms); the knobs that change it (short threshold, long
+chunk) move results by fp32 rounding only. Extremes: a table over 2**31 elements with int32 and int64
+ids, one row hit by every lookup of a 262,144-bag batch, D up to 4096, 500 tables, B = 1, all-empty."""
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from gpu_cases import DEV, FTM, SPECS, TOL, batch, pair
+
+from torchrec_triton_tbe._fbgemm import EmbOptimType, PoolingMode, SparseType
+from torchrec_triton_tbe.config import load_config
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.reference import ReferenceTBE
+
+RWA, SGD, ADAGRAD, ADAM = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD,
+                           EmbOptimType.ADAM)
+
+
+def everything(m: TritonTBE) -> list[torch.Tensor]:
+    return [w.clone() for w in m.split_embedding_weights()] + [s.clone() for t in m.split_optimizer_states() for s in t]
+
+
+def train(cfg, optimizer, steps=4, hoist=False, weighted=True, deterministic=False, seed=0):
+    m = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, optimizer=optimizer, kernel_config=cfg,
+                  hoist_transpose=hoist, learning_rate=0.05, eps=0.01, weights_precision=SparseType.FP32)
+    torch.manual_seed(seed)
+    m.init_embedding_weights_uniform(-0.5, 0.5)
+    grads = []
+    with _deterministic() if deterministic else contextlib.nullcontext():
+        for step in range(steps):
+            # Step 0 weighted (with the psw gradient); the later steps repeat one unweighted batch shape,
+            # so a graph-enabled config captures and replays their backward.
+            w = weighted and step == 0
+            idx, off, psw = batch(min(step, 1), weighted=w, psw_grad=w)
+            out = m(idx, off, psw)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).to(DEV))
+            if psw is not None:
+                grads.append(psw.grad.clone())
+    torch.cuda.synchronize()
+    return everything(m) + grads
+
+
+@contextlib.contextmanager
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _configs():
+    base = load_config(DEV).replace_backward(short_threshold=16, long_chunk=8, long_path="split")
+    return base, {
+        "again": (base, {}),
+        "hoist": (base, dict(hoist=True)),
+        "graphs_off": (base.replace_backward(graph_max_lookups=0), {}),
+        "long_fused": (base.replace_backward(long_path="fused"), {}),
+        "streams_4": (base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0), {}),
+        "deterministic_algorithms": (base, dict(deterministic=True)),
+    }
+
+
+@pytest.mark.parametrize("optimizer", [RWA, ADAM])
+def test_bitwise_identical_across_runs_and_schedules(optimizer):
+    base, variants = _configs()
+    expected = train(base, optimizer)
+    for name, (cfg, kw) in variants.items():
+        got = train(cfg, optimizer, **kw)
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert torch.equal(a, b), f"{name}: tensor {i} differs (max |diff| {(a - b).abs().max().item():.3e})"
+
+
+@pytest.mark.parametrize("threshold,chunk", [(4, 4), (64, 32), (1 << 20, 64)])
+def test_summation_order_knobs_move_results_by_rounding_only(threshold, chunk):
+    base, _ = _configs()
+    expected = train(base, RWA)
+    got = train(base.replace_backward(short_threshold=threshold, long_chunk=chunk), RWA)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_deterministic_algorithms_allow_every_path():
+    """Nothing the module runs is refused under torch.use_deterministic_algorithms(True) (no atomically
+    accumulated values anywhere: the sort is stable, the runs are reduced in a fixed order): sequence,
+    VBE and the psw gradient included; results equal those without the flag."""
+    for pooling in (PoolingMode.NONE, PoolingMode.SUM):
+        specs = [(r, 64) for r, _ in SPECS] if pooling == PoolingMode.NONE else SPECS
+        results = []
+        for deterministic in (False, True):
+            m = TritonTBE(specs, feature_table_map=FTM, device=DEV, optimizer=RWA, pooling_mode=pooling)
+            torch.manual_seed(0)
+            m.init_embedding_weights_uniform(-0.5, 0.5)
+            with _deterministic() if deterministic else contextlib.nullcontext():
+                idx, off, _ = batch(0)
+                out = m(idx, off)
+                out.backward(torch.ones_like(out))
+                if pooling == PoolingMode.SUM:  # VBE too
+                    n = off.numel() - 1
+                    sizes = [[n // len(FTM)] for _ in FTM]
+                    out = m(idx, off, batch_size_per_feature_per_rank=sizes)
+                    out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            results.append(everything(m))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------- extremes
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("optimizer", [SGD, ADAGRAD])
+def test_tables_past_2_31_elements(index_dtype, optimizer):
+    """Table 0 has 2**24 + 8 rows of 128 (just over 2**31 elements); table 1 starts past element 2**31
+    of the flat weights (and, for Adagrad, of the flat state). Lookups hit both ends of each table."""
+    rows0 = (1 << 24) + 8
+    specs = [(rows0, 128), (1000, 64)]
+    lr, eps = 0.05, 0.01
+    m = TritonTBE(specs, device=DEV, optimizer=optimizer, learning_rate=lr, eps=eps,
+                  weights_precision=SparseType.FP16)
+    torch.manual_seed(0)
+    m.init_embedding_weights_uniform(-0.5, 0.5)
+    nb = 1024
+    g = torch.Generator().manual_seed(1)
+    ids0 = torch.cat([torch.arange(rows0 - 40, rows0), torch.arange(0, 8), torch.randint(0, rows0, (nb * 3 - 48,),
+                                                                                          generator=g)])
+    ids1 = torch.cat([torch.arange(1000 - 8, 1000), torch.randint(0, 1000, (nb * 3 - 8,), generator=g)])
+    idx = torch.cat([ids0, ids1])
+    off = torch.arange(0, 2 * nb + 1) * 3
+    idx_d, off_d = idx.to(DEV, index_dtype), off.to(DEV, index_dtype)
+    before = [w.clone() for w in m.split_embedding_weights()]  # fp16: 4.3 GB for table 0
+    out = m(idx_d, off_d)
+    expected = torch.cat([before[t][ids.to(DEV)].float().reshape(nb, 3, -1).sum(1)
+                          for t, ids in enumerate((ids0, ids1))], 1)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    grad = torch.randn(out.shape, generator=g).to(DEV)
+    out.backward(grad)
+    torch.cuda.synchronize()
+    after = m.split_embedding_weights()
+    states = m.split_optimizer_states()
+    col = 0
+    for t, ids in enumerate((ids0, ids1)):
+        D = specs[t][1]
+        touched, inverse = torch.unique(ids.to(DEV), return_inverse=True)
+        gt = torch.zeros(touched.numel(), D, device=DEV)
+        gt.index_add_(0, inverse, grad[:, col:col + D].repeat_interleave(3, 0))
+        col += D
+        w0 = before[t][touched].float()
+        if optimizer == SGD:
+            want = w0 - lr * gt
+        else:
+            state = gt * gt
+            want = w0 - lr * gt / (state.sqrt() + eps)
+            torch.testing.assert_close(states[t][0][touched], state, atol=1e-5, rtol=1e-4)
+        # fp16 storage with stochastic rounding (FBGEMM's default): within an ulp or so
+        torch.testing.assert_close(after[t][touched].float(), want, atol=2e-3, rtol=2e-3)
+        before[t][touched] = after[t][touched]
+        assert torch.equal(after[t], before[t]), "rows no lookup touched changed"
+
+
+def test_one_row_hit_by_every_lookup_of_262144_bags():
+    nb = 262_144
+    ours, fb = pair(specs=[(1000, 128)], ftm=[0], optimizer=RWA, learning_rate=0.05, eps=0.01,
+                    weights_precision=SparseType.FP32)
+    idx = torch.full((nb,), 3, dtype=torch.int64, device=DEV)
+    off = torch.arange(nb + 1, device=DEV)
+    grad = torch.randn(nb, 128, generator=torch.Generator().manual_seed(0)).to(DEV)
+    ours.collect_backward_stats = True
+    for m in (ours, fb):
+        out = m(idx.clone(), off.clone())
+        out.backward(grad)
+    stats = ours.backward_stats()
+    assert stats["long_runs"] == 1 and stats["runs"] == 1 and stats["max_run"] == nb, stats
+    torch.testing.assert_close(ours.split_embedding_weights()[0], fb.split_embedding_weights()[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.split_optimizer_states()[0][0], fb.split_optimizer_states()[0][0],
+                               atol=1e-3, rtol=1e-4)
+
+
+def _reference_check(m: TritonTBE, ref: ReferenceTBE, steps: int, nb: int, max_len: int, tol: dict, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = len(m.feature_table_map)
+    rows = [w.shape[0] for w in m.split_embedding_weights()]
+    for step in range(steps):
+        lengths = torch.randint(0, max_len + 1, (T * nb,), generator=g)
+        off = torch.zeros(T * nb + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        idx = torch.cat([torch.randint(0, rows[k], (int(lengths[t * nb:(t + 1) * nb].sum()),), generator=g)
+                         for t, k in enumerate(m.feature_table_map)])
+        out = m(idx.to(DEV), off.to(DEV))
+        out64 = ref.forward(idx, off)
+        torch.testing.assert_close(out.cpu().double(), out64.detach(), **tol)
+        grad = torch.randn(out.shape, generator=g)
+        out.backward(grad.to(DEV))
+        ref.backward(out64, grad)
+        ref.step()
+    for a, b in zip(m.split_embedding_weights(), ref.tables):
+        torch.testing.assert_close(a.cpu().float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("D", [1024, 2048, 2050, 4096])
+@pytest.mark.parametrize("optimizer", [RWA, ADAM])
+def test_wide_rows_match_the_reference(D, optimizer):
+    specs = [(300, D), (50, 64)]
+    m = TritonTBE(specs, feature_table_map=[0, 1, 0], device=DEV, optimizer=optimizer, learning_rate=0.05, eps=0.01,
+                  weights_precision=SparseType.FP32)
+    torch.manual_seed(0)
+    m.init_embedding_weights_uniform(-0.5, 0.5)
+    ref = ReferenceTBE([w.cpu() for w in m.split_embedding_weights()], m.feature_table_map, mean=False,
+                       optimizer=m.spec.optimizer, learning_rate=0.05, eps=0.01)
+    _reference_check(m, ref, steps=2, nb=32, max_len=6, tol=dict(atol=1e-4, rtol=1e-4))
+
+
+def test_500_tables_match_fbgemm_cuda():
+    dims = [8, 16, 24, 32, 64, 96, 128, 256]
+    specs = [(50 + 7 * t, dims[t % len(dims)]) for t in range(500)]
+    ours, fb = pair(specs=specs, ftm=list(range(500)), optimizer=RWA, learning_rate=0.05, eps=0.01,
+                    weights_precision=SparseType.FP16, stochastic_rounding=False)
+    g = torch.Generator().manual_seed(0)
+    nb = 16
+    for step in range(2):
+        lengths = torch.randint(0, 5, (500 * nb,), generator=g)
+        off = torch.zeros(500 * nb + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        idx = torch.cat([torch.randint(0, specs[t][0], (int(lengths[t * nb:(t + 1) * nb].sum()),), generator=g)
+                         for t in range(500)])
+        o1, o2 = ours(idx.to(DEV), off.to(DEV)), fb(idx.to(DEV), off.to(DEV))
+        torch.testing.assert_close(o1, o2, **TOL[SparseType.FP16])
+        grad = torch.randn(o1.shape, generator=g).to(DEV)
+        o1.backward(grad)
+        o2.backward(grad)
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        torch.testing.assert_close(a.float(), b.float(), **TOL[SparseType.FP16])
+
+
+@pytest.mark.parametrize("pooling,optimizer", list(itertools.product([PoolingMode.SUM, PoolingMode.MEAN], [SGD, RWA])))
+def test_batch_of_one_and_all_empty_batches(pooling, optimizer):
+    ours, fb = pair(optimizer=optimizer, pooling_mode=pooling, learning_rate=0.05, eps=0.01,
+                    weights_precision=SparseType.FP32)
+    T = len(FTM)
+    idx, off, _ = batch(3, nb=1)
+    for m in (ours, fb):
+        out = m(idx.clone(), off.clone())
+        out.backward(torch.ones_like(out))
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        torch.testing.assert_close(a, b, **TOL[SparseType.FP32])
+    before = everything(ours)
+    for nb in (1, 4096):
+        empty_off = torch.zeros(T * nb + 1, dtype=torch.int64, device=DEV)
+        empty_idx = torch.zeros(0, dtype=torch.int64, device=DEV)
+        out = ours(empty_idx, empty_off)
+        assert out.shape == (nb, sum(SPECS[k][1] for k in FTM)) and not out.any()
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    for a, b in zip(before, everything(ours)):
+        assert torch.equal(a, b)
