@@ -77,6 +77,10 @@ def optimizer_table(d: dict) -> None:
 
 def main(path: str) -> None:
     d = json.load(open(path))
+    failed = [s for s in d["shapes"] if "results" not in s]
+    for s in failed:  # a shape that raised (e.g. out of memory) has its error instead of results
+        print(f"{s['name']}: no results ({str(s.get('error', '?')).strip().splitlines()[-1][:160]})")
+    d = dict(d, shapes=[s for s in d["shapes"] if "results" in s])
     if not any("fwd" in s["results"] for s in d["shapes"]):
         optimizer_table(d)
         return

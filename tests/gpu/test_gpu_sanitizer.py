@@ -17,15 +17,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tools" / "sanitize_cases.py"
 SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-# initcheck: torch's caching allocator hands out blocks some of whose bytes no kernel ever writes (the
-# rounding of each allocation); --track-unused-memory reports those as "unused", not as bad reads, so
-# it stays off: reads of uninitialised memory are still errors.
+# Full reports (no print limit, no host backtraces): every hazard is parsed, not just counted.
+COMMON = ["--print-limit", "0", "--show-backtrace", "no"]
 TOOLS = {
     "memcheck": ["--leak-check", "no"],
     "racecheck": ["--racecheck-report", "all"],
     "synccheck": [],
-    "initcheck": ["--track-unused-memory", "no"],
+    "initcheck": [],
 }
+# The one racecheck pattern allowed, each occurrence still listed in summary.txt: Triton's warp
+# reductions end in a butterfly shuffle, so the lanes of one group hold sums taken in different orders
+# (bits may differ in the last place) and all write the group's one shared-memory slot in the same
+# store; racecheck reports a WAW hazard between lanes of one warp (triton-lang/triton#7264, open). Any
+# of those values is a correctly rounded-order sum, and the kernel's result is bitwise repeatable
+# (tests/gpu/test_gpu_reliability.py compares the per-sample-weight gradient across runs). Allowed
+# only for this kernel and line, and only between two lanes of the same warp.
+BENIGN = {("_psw_grad_kernel", "psw_grad.py:72")}
+HAZARD = re.compile(r"Potential (\w+) hazard detected at __shared__ \S+ in block \S+ :\n"
+                    r"=+\s+(\w+) Thread \((\d+),(\d+),(\d+)\) at (\w+)\+\S+ in (\S+)\n"
+                    r"=+\s+(\w+) Thread \((\d+),(\d+),(\d+)\) at (\w+)\+\S+ in (\S+)")
+
+
+def classify_hazards(out: str) -> tuple[int, list[str]]:
+    """(benign butterfly hazards, every other hazard as a one-line description)."""
+    benign, other = 0, []
+    for m in HAZARD.finditer(out):
+        kind, t1, kernel1, where1, t2, kernel2, where2 = (m.group(1), int(m.group(3)), m.group(6), m.group(7),
+                                                          int(m.group(9)), m.group(12), m.group(13))
+        same_warp = t1 // 32 == t2 // 32 and m.group(4) == m.group(10) and m.group(5) == m.group(11)
+        if kind == "WAW" and same_warp and (kernel1, where1) == (kernel2, where2) and (kernel1, where1) in BENIGN:
+            benign += 1
+        else:
+            other.append(f"{kind} {kernel1} {where1} thread {t1} / {kernel2} {where2} thread {t2}")
+    return benign, other
 
 
 def _log_dir(tmp_path_factory) -> Path:
@@ -48,16 +72,24 @@ def log_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("tool", list(TOOLS))
 def test_no_sanitizer_reports(tool, log_dir):
-    cmd = [SANITIZER, "--tool", tool, *TOOLS[tool], "--error-exitcode", "99", "--print-limit", "50",
-           sys.executable, str(DRIVER)]
+    cmd = [SANITIZER, "--tool", tool, *TOOLS[tool], *COMMON, sys.executable, str(DRIVER)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     out = proc.stdout + proc.stderr
     (log_dir / f"{tool}.txt").write_text(out)
     summary = re.findall(r"=+ (?:ERROR|RACECHECK) SUMMARY: .*", out)
     cases = re.search(r"sanitize_cases: (\d+) cases done", out)
+    benign, other = classify_hazards(out) if tool == "racecheck" else (0, [])
     with open(log_dir / "summary.txt", "a") as f:
         f.write(f"{tool}: rc={proc.returncode} cases={cases.group(1) if cases else '?'} "
-                f"{'; '.join(s.strip('= ') for s in summary) or 'no summary line'}\n")
-    assert cases, f"{tool}: the driver did not finish\n{out[-4000:]}"
-    counts = [int(n) for line in summary for n in re.findall(r"(\d+) (?:errors?|hazards?|warnings?)", line)]
-    assert proc.returncode == 0 and summary and counts and not any(counts), out[-6000:]
+                f"{'; '.join(s.strip('= ') for s in summary) or 'no summary line'}"
+                + (f"; benign butterfly WAW (triton#7264): {benign}, other hazards: {len(other)}" if tool == "racecheck"
+                   else "") + "\n")
+        f.writelines(f"  {line}\n" for line in sorted(set(other))[:50])
+    assert proc.returncode == 0 and cases, f"{tool}: the driver did not finish\n{out[-4000:]}"
+    assert summary, f"{tool}: no summary line\n{out[-4000:]}"
+    if tool == "racecheck":
+        reported = sum(int(n) for line in summary for n in re.findall(r"\((\d+) errors?, (\d+) warnings?\)", line)[0])
+        assert not other and benign == reported, (benign, reported, sorted(set(other))[:20])
+    else:
+        counts = [int(n) for line in summary for n in re.findall(r"(\d+) errors?", line)]
+        assert counts and not any(counts), out[-6000:]

@@ -161,12 +161,14 @@ class _RelabelOurTables:
     (``state_dict`` through TorchRec's ``get_state_dict``, ``named_parameters_by_table``), so our tables
     are labelled ``fused`` while the stock method runs, and restored afterwards."""
 
-    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+    def _initialize_torch_state(self, *args, **kwargs) -> None:
+        # Arguments passed through as given: TorchRec 1.9's methods take ``skip_registering``, 1.6.1's
+        # ShardedEmbeddingCollection takes none.
         ours = {t: ps for t, ps in self.module_sharding_plan.items() if is_triton_tbe_sharding(ps)}
         for table, ps in ours.items():
             self.module_sharding_plan[table] = _plain(ps, FUSED)
         try:
-            super()._initialize_torch_state(skip_registering)
+            super()._initialize_torch_state(*args, **kwargs)
         finally:
             self.module_sharding_plan.update(ours)
 
