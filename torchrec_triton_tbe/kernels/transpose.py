@@ -112,20 +112,23 @@ def _slot_keys(sorted_keys_ptr, i, N):
 
 @triton.jit
 def _run_flags_kernel(
-    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, sentinel,
+    BLOCK: tl.constexpr, WIDE: tl.constexpr
 ):
     """
     Grid: [cdiv(N + 1, BLOCK)]. program_runs[p] = how many runs start in slots [p * BLOCK, (p + 1) *
     BLOCK) (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag
-    of the lookup the sort put in slot i (one pass for both).
+    of the lookup the sort put in slot i (one pass for both); 0 for a lookup outside every bag (its key
+    is the sentinel): linearize never writes its bag, so reading it would read uninitialised memory
+    (compute-sanitizer initcheck; such slots sort past every bucket and are never applied).
     """
     p = tl.program_id(0)
     i = _block_slots(BLOCK, WIDE)
     m = i < N
-    _, _, head = _slot_keys(sorted_keys_ptr, i, N)
+    key, _, head = _slot_keys(sorted_keys_ptr, i, N)
     count = tl.sum(head.to(i.dtype), axis=0)
     q = tl.load(perm_ptr + i, mask=m, other=0)
-    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m, other=0), mask=m)
+    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m & (key != sentinel), other=0), mask=m)
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
 
 

@@ -133,7 +133,8 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     block_k = next_pow2(num_bounds)
     grid = (programs,)
     blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block))  # implied by int64 tables (N >= 2**31 - 2)
-    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N), blocks, 4)
+    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N, spec.plan.sentinel_key),
+           blocks, 4)
     launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _run_starts_kernel,
