@@ -29,10 +29,13 @@ def test_demo_matches_fused_with_checkpoint_interchange(optimizer, sharding):
 MODES = [("--sequence", "rowwise_adagrad", "table_wise"), ("--sequence", "adam", "row_wise"),
          ("--vbe", "rowwise_adagrad", "table_wise"), ("--vbe", "sgd", "row_wise"),
          ("--vbe", "adam", "column_wise")]
-# Plain SGD at 0.01 diverges on this VBE model on both kernels (H200, ac29bed: step-0 loss ~5e4, NaN by
-# step 3; the same relative difference with PyTorch's caching allocator off, so not stale memory): the
-# comparison would measure chaos. At 1e-4 both train and agreed to 4.7e-6 over 2 steps (tolerance 1e-4).
+# Plain SGD diverges on this VBE model on both kernels alike (H200: step-0 loss ~5e4 on fused and ours,
+# against ~0.67 for the CPU's all-SUM VBE; at lr 0.01 NaN by step 3, with the same difference when
+# PyTorch's caching allocator is off, so not stale memory; at 1e-4 the loss reaches 2.5e16 by step 3,
+# 1bcbf99), so past two steps the comparison measures chaos. Two steps at 1e-4 agreed to 4.7e-6
+# (tolerance 1e-4, ac29bed). Why the step-0 loss is that large on the GPU is not found yet.
 LEARNING_RATE = {"sgd": "0.0001"}
+STEPS = {"sgd": "2"}
 
 
 @pytest.mark.parametrize("mode,optimizer,sharding", MODES, ids=[f"{m[2:]}-{o}-{s}" for m, o, s in MODES])
@@ -41,6 +44,6 @@ def test_sequence_and_vbe_demo_match_fused(mode, optimizer, sharding):
     variable-batch KJTs (--vbe: on the GPU both pooling modes, so TorchRec merges several kernel groups
     into one vbe_output), on ``fused`` and on ours: same losses, weights and optimizer state, with the
     checkpoint interchanged both ways."""
-    argv = [mode, "--optimizer", optimizer, "--sharding", sharding, "--steps", "4", "--batch-size", "1024",
+    argv = [mode, "--optimizer", optimizer, "--sharding", sharding, "--steps", STEPS.get(optimizer, "4"), "--batch-size", "1024",
             "--num-embeddings", "20000", "--embedding-dim", "64", "--learning-rate", LEARNING_RATE.get(optimizer, "0.01")]
     assert torchrec_demo.main(argv) == 0
