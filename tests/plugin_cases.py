@@ -357,3 +357,81 @@ def checkpoint_interchange(rank: int, world_size: int, sharding: str,
         dst_losses = train(dst, 2, rank, first_step=2)
         assert_close(torch.tensor(dst_losses), torch.tensor(src_losses), f"{what} losses after load")
         assert_same_state(dst, src, f"{what} after training on")
+
+
+# ---------------------------------------------------------------------------------------------- distributed checkpoints
+def full_state(dmp) -> Dict[str, torch.Tensor]:
+    """Every weight and fused-optimizer state tensor at its full size, whatever the plan: each rank's
+    shards at their offsets, summed over the ranks (the shards are disjoint; a rank that holds no
+    shard of a table may not list its state at all). A collective."""
+    local = {**{f"model/{k}": v for k, v in dmp.state_dict().items()},
+             **{f"optim/{k}": v for k, v in optimizer_state(dmp).items()}}
+    meta = {k: (tuple(v.size()), v.dtype, isinstance(v, ShardedTensor)) for k, v in local.items()}
+    everyone = [meta]
+    if dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, meta)
+    union: Dict[str, tuple] = {}
+    for m in everyone:
+        for k, (size, dtype, sharded) in m.items():
+            prev = union.get(k)
+            union[k] = (size, dtype, sharded or (prev is not None and prev[2]))
+    out = {}
+    for k in sorted(union):
+        size, dtype, sharded = union[k]
+        full = dense(local[k]).double() if k in local else torch.zeros(size, dtype=torch.float64)
+        if sharded and dist.get_world_size() > 1:
+            dist.all_reduce(full)
+        out[k] = full
+    return out
+
+
+def plan_for(sharding: str, kernel: str, world_size: int) -> EmbeddingModuleShardingPlan:
+    fused_plan, our_plan = Case(sharding=sharding).plans(world_size)
+    return our_plan if kernel == "triton" else fused_plan
+
+
+def _sharder():
+    return TritonTBESharder(fused_params=fused_params(EmbOptimType.EXACT_ROWWISE_ADAGRAD))
+
+
+def dcp_load(path: str, sharding: str, kernel: str, world_size: int, saved: Dict[str, torch.Tensor]):
+    """A model planned with ``sharding`` on ``kernel``, its weights set apart first, loaded from the
+    torch.distributed.checkpoint at ``path``: its full state must equal ``saved`` exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    dst = make_dmp(plan_for(sharding, kernel, world_size), _sharder(), init=reference_state(seed=1))
+    key = "model/ebc.embedding_bags.t0.weight"
+    assert not torch.equal(full_state(dst)[key], saved[key]), "the load would be a no-op"
+    target = {"model": dst.state_dict(), "optim": dst.fused_optimizer.state_dict()}
+    dcp.load(target, checkpoint_id=path)
+    result = dst.load_state_dict(target["model"])
+    assert not result.missing_keys and not result.unexpected_keys, result
+    dst.fused_optimizer.load_state_dict(target["optim"])
+    got = full_state(dst)
+    assert sorted(got) == sorted(saved), (sorted(got), sorted(saved))
+    for k in saved:
+        assert torch.equal(got[k], saved[k]), f"{sharding} {kernel} after load: {k} differs"
+    return dst
+
+
+def dcp_reshard(rank: int, world_size: int, path: str, src: tuple, dst: tuple) -> None:
+    """``src`` = (sharding, kernel) trains two steps and saves a distributed checkpoint (model and fused
+    optimizer) to ``path``; a model planned as ``dst`` loads it (equal exactly) and both train two more
+    steps: same losses, same full state. Rank 0 also writes the saved full state beside the checkpoint
+    (full_state.pt) for loads in other world sizes."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_dmp(plan_for(src[0], src[1], world_size), _sharder())
+    train(model, 2, rank)
+    dcp.save({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}, checkpoint_id=path)
+    saved = full_state(model)
+    if rank == 0:
+        torch.save(saved, os.path.join(path, "full_state.pt"))
+    loaded = dcp_load(path, dst[0], dst[1], world_size, saved)
+    what = f"{src} -> {dst} on {world_size} ranks"
+    assert_close(torch.tensor(train(loaded, 2, rank, first_step=2)), torch.tensor(train(model, 2, rank, first_step=2)),
+                 f"{what}: losses after the load")
+    after_src, after_dst = full_state(model), full_state(loaded)
+    for k in after_src:
+        assert_close(after_dst[k], after_src[k], f"{what}: {k} after training on")

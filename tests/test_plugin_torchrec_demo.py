@@ -27,3 +27,37 @@ def test_demo_sequence_and_vbe_modes_match(capsys):
     assert rc == 0, out
     assert "sequence_tables=1" in out and "vbe=" in out
     assert "MATCH" in out and "MISMATCH" not in out
+
+
+def _two_rank_demo(rank: int, world_size: int, argv: list) -> None:
+    import contextlib
+    import io
+
+    expect = argv[argv.index("--expect") + 1].split(",")
+    demo_argv = argv[:argv.index("--expect")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = torchrec_demo.main(demo_argv)
+    text = out.getvalue()
+    assert rc == 0, text
+    if rank == 0:  # rank 0 prints the table, every rank compares its own shards
+        assert "world_size=2" in text and "MATCH" in text and "MISMATCH" not in text, text
+        for kind in expect:
+            assert f"={kind}@" in text, (kind, text)
+    else:
+        assert text == "", text
+
+
+SMALL = ["--steps", "2", "--batch-size", "4", "--num-tables", "4", "--num-embeddings", "40"]
+
+
+def test_demo_on_two_ranks_every_sharding_type_with_the_train_pipeline():
+    """torchrun's case on two gloo ranks: TrainPipelineSparseDist (the default loop), the four sharding
+    types at once (--sharding mixed), every rank's shards against fused's, checkpoints both ways."""
+    argv = SMALL + ["--sharding", "mixed", "--expect", "table_wise,row_wise,column_wise,table_row_wise"]
+    plugin_cases.spawn(_two_rank_demo, 2, argv)
+
+
+def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
+    argv = SMALL + ["--sharding", "planner", "--loop", "plain", "--sequence", "--expect", "table_wise"]
+    plugin_cases.spawn(_two_rank_demo, 2, argv)

@@ -15,9 +15,11 @@ takes SGD, row-wise Adagrad and Adam). Both train on the same
 batches; every step prints both losses, the largest embedding weight and optimizer state
 differences, and each side's time for forward + backward + optimizer.
 
-On a CPU machine it runs a small model in one gloo process (our kernels under Triton's interpreter,
-FBGEMM's CPU TBE as ``fused``: the times compare an interpreter with compiled C++, not kernels).
-With a GPU it runs a larger model on it (compiled Triton against FBGEMM's CUDA TBE, nccl).
+On a CPU machine it runs a small model on gloo (our kernels under Triton's interpreter, FBGEMM's CPU
+TBE as ``fused``: the times compare an interpreter with compiled C++, not kernels). With a GPU it runs a
+larger model on it (compiled Triton against FBGEMM's CUDA TBE, nccl). Under ``torchrun
+--nproc_per_node N`` it is one N-rank job (data parallel, one GPU per rank): every rank compares its own
+shards, rank 0 prints. Training runs in TorchRec's TrainPipelineSparseDist unless ``--loop plain``.
 Exit status 1 if the two runs diverge beyond the tolerance.
 """
 
@@ -48,7 +50,9 @@ from torchrec_triton_tbe.plugin import (
     use_triton_tbe,
 )
 
-SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise")
+# "mixed": the four types in turn over the tables; "planner": TorchRec's EmbeddingShardingPlanner picks.
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "mixed", "planner")
+LOOPS = ("pipeline", "plain")
 
 
 
@@ -57,6 +61,21 @@ class Setup:
     device: torch.device
     gpu: bool
     created_pg: bool
+    rank: int = 0
+    world_size: int = 1
+
+    def print(self, *args, **kwargs) -> None:
+        """Rank 0 prints; the others compute and reduce."""
+        if self.rank == 0:
+            print(*args, **{"flush": True, **kwargs})
+
+    def all_max(self, value: float) -> float:
+        """The largest value over the ranks."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
 
 def _parse(argv, gpu: bool) -> argparse.Namespace:
@@ -80,27 +99,33 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
     ap.add_argument("--vbe", action="store_true",
                     help="variable batch size per feature: each feature's KJT holds its own deduplicated batch, "
                          "expanded to the B samples by inverse indices")
+    ap.add_argument("--loop", choices=LOOPS, default=None,
+                    help="pipeline: TorchRec's TrainPipelineSparseDist (the default; plain with --sequence, whose "
+                         "second KJT TorchRec's Batch does not carry); plain: forward, backward, step")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
 def _init_process_group(gpu: bool) -> Setup:
+    """The caller's process group if there is one; else torchrun's (RANK / WORLD_SIZE / MASTER_* in the
+    environment: one rank per process, one GPU per rank by LOCAL_RANK); else a world of one."""
     created = False
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "localhost")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
-        dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+        if "WORLD_SIZE" not in os.environ or "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("localhost", 0))
+                port = s.getsockname()[1]
+            os.environ.setdefault("MASTER_ADDR", "localhost")
+            os.environ.setdefault("MASTER_PORT", str(port))
+            for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if gpu else "gloo")
         created = True
-    if dist.get_world_size() != 1:
-        raise SystemExit("torchrec_demo runs on one process (world size 1)")
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    return Setup(device=device, gpu=gpu, created_pg=created)
+    return Setup(device=device, gpu=gpu, created_pg=created, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
 @dataclass(frozen=True)
@@ -155,7 +180,7 @@ class _WithSequence(torch.nn.Module):
         return logits + self.proj(pooled)
 
 
-def _model(tables: Tables, setup: Setup, dense_in: int):
+def _model(tables: Tables, setup: Setup, dense_in: int, pipeline: bool = False):
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -168,35 +193,71 @@ def _model(tables: Tables, setup: Setup, dense_in: int):
         dense_device=setup.device,
     )
     if not tables.sequence:
+        if pipeline:
+            from torchrec.models.dlrm import DLRMTrain
+
+            # TrainPipelineSparseDist calls model(batch) for (loss, output): DLRMTrain's BCE-with-logits
+            # mean is the plain loop's loss.
+            return DLRMTrain(dlrm)
         return dlrm
     return _WithSequence(dlrm, EmbeddingCollection(tables=tables.sequence, device=torch.device("meta")), D, setup.device)
 
 
-def _ebc_path(tables: Tables) -> str:
-    return ("dlrm." if tables.sequence else "") + "sparse_arch.embedding_bag_collection"
+def _ebc_path(tables: Tables, pipeline: bool) -> str:
+    return ("dlrm." if tables.sequence else "model." if pipeline else "") + "sparse_arch.embedding_bag_collection"
 
 
-def _plan(model, tables: Tables, sharding: str, setup: Setup):
+def _ebc(model, tables: Tables, pipeline: bool):
+    return model.dlrm.sparse_arch.embedding_bag_collection if tables.sequence else (
+        model.model if pipeline else model).sparse_arch.embedding_bag_collection
+
+
+def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
     """{module path: module plan}: the bags' and, with --sequence, the sequence tables' (which TorchRec
-    shards table-, row- or column-wise: table-row-wise plans put them table-wise)."""
+    shards table-, row- or column-wise: table-row-wise plans put them table-wise). On N ranks, one host:
+    table-wise tables go round the ranks, row-wise ones span every rank, column-wise ones split in two
+    over ranks 0 and 1 (0 and 0 on one rank), table-row-wise ones span the host; "mixed" gives the
+    tables these four in turn; "planner" is TorchRec's EmbeddingShardingPlanner over this topology."""
     from torchrec.distributed import sharding_plan as sp
 
+    W = setup.world_size
+    if sharding == "planner":
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+        from torchrec.distributed.planner.types import ParameterConstraints
+
+        topology = Topology(world_size=W, local_world_size=W, compute_device=setup.device.type)
+        sharders = [TritonTBESharder(), TritonTBEEmbeddingCollectionSharder()]
+        # Model-parallel types only: left free, the planner puts small tables data-parallel, where no
+        # embedding kernel runs and the A/B compares nothing.
+        types = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+        constraints = {t.name: ParameterConstraints(sharding_types=types if t in tables.bags else types[:3])
+                       for t in tables.bags + tables.sequence}
+        planner = EmbeddingShardingPlanner(topology, constraints=constraints)
+        return dict(planner.collective_plan(model, sharders, dist.group.WORLD).plan)
     generators = {
-        "table_wise": lambda: sp.table_wise(rank=0),
-        "row_wise": lambda: sp.row_wise(),
-        "column_wise": lambda: sp.column_wise(ranks=[0, 0]),
-        "table_row_wise": lambda: sp.table_row_wise(host_index=0),
+        "table_wise": lambda k: sp.table_wise(rank=k % W),
+        "row_wise": lambda k: sp.row_wise(),
+        "column_wise": lambda k: sp.column_wise(ranks=[0, 1 % W]),
+        "table_row_wise": lambda k: sp.table_row_wise(host_index=0),
     }
-    plans = {_ebc_path(tables): sp.construct_module_sharding_plan(
-        model.dlrm.sparse_arch.embedding_bag_collection if tables.sequence else model.sparse_arch.embedding_bag_collection,
-        {t.name: generators[sharding]() for t in tables.bags},
-        sharder=TritonTBESharder(), local_size=1, world_size=1, device_type=setup.device.type,
+    kinds = list(generators)
+
+    def generator(kind: str, k: int):
+        return generators[kinds[k % len(kinds)] if kind == "mixed" else kind](k)
+
+    common = dict(local_size=W, world_size=W, device_type=setup.device.type)
+    plans = {_ebc_path(tables, pipeline): sp.construct_module_sharding_plan(
+        _ebc(model, tables, pipeline), {t.name: generator(sharding, k) for k, t in enumerate(tables.bags)},
+        sharder=TritonTBESharder(), **common,
     )}
     if tables.sequence:
         seq_sharding = "table_wise" if sharding == "table_row_wise" else sharding
+        # An EmbeddingCollection has no table-row-wise sharding: "mixed" takes the other three.
+        seq_kind = lambda k: ("table_wise", "row_wise", "column_wise")[k % 3] if seq_sharding == "mixed" else seq_sharding  # noqa: E731
         plans["ec"] = sp.construct_module_sharding_plan(
-            model.ec, {t.name: generators[seq_sharding]() for t in tables.sequence},
-            sharder=TritonTBEEmbeddingCollectionSharder(), local_size=1, world_size=1, device_type=setup.device.type,
+            model.ec, {t.name: generators[seq_kind(k)](k) for k, t in enumerate(tables.sequence)},
+            sharder=TritonTBEEmbeddingCollectionSharder(), **common,
         )
     return plans
 
@@ -205,14 +266,14 @@ def _switch(plans: dict, convert) -> dict:
     return {path: convert(plan) for path, plan in plans.items()}
 
 
-def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr: float):
+def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr: float, pipeline: bool):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     dmp = DistributedModelParallel(
-        _model(tables, setup, dense_in),
+        _model(tables, setup, dense_in, pipeline),
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=setup.device,
         plan=ShardingPlan(plans),
@@ -245,7 +306,9 @@ def _kjt(configs, args, g, dtype, vbe: bool):
 
 
 def _batches(tables: Tables, args, setup: Setup, dense_in: int):
-    g = torch.Generator().manual_seed(args.seed)
+    """args.steps batches of this rank (its own seed: data parallel), on the CPU: both kernels' models
+    get the same ones (the pipeline moves each to the device itself)."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + setup.rank)
     dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     out = []
     for _ in range(args.steps):
@@ -253,16 +316,23 @@ def _batches(tables: Tables, args, setup: Setup, dense_in: int):
         seq = _kjt(tables.sequence, args, g, dtype, False) if tables.sequence else None
         dense = torch.randn(args.batch_size, dense_in, generator=g)
         labels = (torch.rand(args.batch_size, generator=g) < 0.3).float()
-        out.append((dense.to(setup.device), kjt.to(setup.device), labels.to(setup.device),
-                    None if seq is None else seq.to(setup.device)))
+        out.append((dense, kjt, labels, seq))
     return out
+
+
+def _pipeline_batches(batches):
+    from torchrec.datasets.utils import Batch
+
+    return [Batch(dense_features=d, sparse_features=k, labels=y) for d, k, y, _ in batches]
 
 
 def _local(t) -> torch.Tensor:
     from torchrec.distributed.types import ShardedTensor
 
     if isinstance(t, ShardedTensor):
-        return torch.cat([s.tensor.reshape(-1) for s in t.local_shards()])
+        # On N ranks a rank may hold no shard of a table: nothing of it to compare here.
+        shards = [s.tensor.reshape(-1) for s in t.local_shards()]
+        return torch.cat(shards) if shards else torch.zeros(0)
     return t.reshape(-1)
 
 
@@ -270,7 +340,8 @@ def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> flo
     worst = 0.0
     for key in a:
         x, y = _local(a[key]).double(), _local(b[key]).double()
-        worst = max(worst, float(((x - y).abs() / (1.0 + y.abs())).max()))
+        if x.numel():
+            worst = max(worst, float(((x - y).abs() / (1.0 + y.abs())).max()))
     return worst
 
 
@@ -284,7 +355,8 @@ def _optimizer_state(dmp) -> Dict[str, torch.Tensor]:
 
 
 def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
-    dense, kjt, labels, seq = batch
+    """The plain loop's step: forward, loss, backward (the fused optimizer inside), the dense step."""
+    dense, kjt, labels, seq = (None if x is None else x.to(setup.device) for x in batch)
     if setup.gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -297,6 +369,19 @@ def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
     if setup.gpu:
         torch.cuda.synchronize()
     return loss.item(), (time.perf_counter() - t0) * 1e3
+
+
+def _pipeline_step(pipeline, it, setup: Setup) -> tuple[float, float]:
+    """One TrainPipelineSparseDist.progress: this batch's forward, backward and optimizer step, with the
+    next batch's copy and input distribution started (the loop TorchRec users run)."""
+    if setup.gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = pipeline.progress(it)[0]  # DLRMTrain's output: (loss, logits, labels), detached
+    value = loss.item()
+    if setup.gpu:
+        torch.cuda.synchronize()
+    return value, (time.perf_counter() - t0) * 1e3
 
 
 def main(argv=None) -> int:
@@ -334,12 +419,21 @@ def _run(args, setup: Setup) -> int:
     options = TritonTBEOptions(
         index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check
     )
+    if args.loop == "pipeline" and tables.sequence:
+        raise SystemExit("--loop pipeline with --sequence: TorchRec's Batch carries one KJT; use --loop plain")
+    pipeline = (args.loop or ("plain" if tables.sequence else "pipeline")) == "pipeline"
     sharders = [TritonTBESharder(fused_params=fused_params), TritonTBEEmbeddingCollectionSharder(fused_params=fused_params)]
-    plan = _plan(_model(tables, setup, dense_in), tables, args.sharding, setup)
+    plan = _plan(_model(tables, setup, dense_in, pipeline), tables, args.sharding, setup, pipeline)
 
-    fused, fused_opt = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate)
+    row_split = {ps.sharding_type for mp in plan.values() for ps in mp.values()} & {"row_wise", "table_row_wise"}
+    if args.vbe and not setup.gpu and setup.world_size > 1 and row_split:
+        # TorchRec 1.9.2's own backward of a variable batch over row-split tables gathers unequal sizes,
+        # which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"), on fused as on ours.
+        raise SystemExit(f"--vbe on {setup.world_size} gloo ranks with {sorted(row_split)} tables: TorchRec's "
+                         "backward fails on gloo for fused too; use table_wise / column_wise, or GPUs (NCCL)")
+    fused, fused_opt = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate, pipeline)
     ours, our_opt = _dmp(tables, setup, _switch(plan, lambda p: use_triton_tbe(p, options=options)), sharders,
-                         dense_in, args.learning_rate)
+                         dense_in, args.learning_rate, pipeline)
     # The Triton model starts from the fused model's checkpoint: weights, dense layers, optimizer state.
     result = ours.load_state_dict(copy.deepcopy(fused.state_dict()))
     if result.missing_keys or result.unexpected_keys:
@@ -350,12 +444,16 @@ def _run(args, setup: Setup) -> int:
     where = ("GPU: compiled Triton vs FBGEMM CUDA TBE" if setup.gpu
              else "CPU: Triton interpreter vs FBGEMM CPU TBE")
     pooling = ",".join(t.pooling.name for t in tables.bags)
-    print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}")
+    print = setup.print  # noqa: A001  (rank 0 prints; every rank computes)
+    print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}, "
+          f"world_size={setup.world_size}, loop={'TrainPipelineSparseDist' if pipeline else 'plain'}")
     print(f"tables={len(tables.bags)} rows<={args.num_embeddings} dim={args.embedding_dim} pooling={pooling} "
           f"B={args.batch_size} mean L={args.bag_size} alpha={args.alpha} sharding={args.sharding} "
           f"optimizer={args.optimizer} ids={args.index_dtype} options={options}"
           + (f" sequence_tables={len(tables.sequence)}" if tables.sequence else "")
           + (" vbe=variable batch per feature" if args.vbe else ""))
+    print("plan: " + ", ".join(f"{t}={ps.sharding_type}" + (f"@{ps.ranks}" if ps.ranks is not None else "")
+                               for mp in plan.values() for t, ps in mp.items()))
     head = (f"{'step':>4} {'loss fused':>11} {'loss triton':>11} {'max|dW|rel':>10} {'max|dS|rel':>10} "
             f"{'ms fused':>9} {'ms triton':>9}")
     print(head)
@@ -363,32 +461,46 @@ def _run(args, setup: Setup) -> int:
     rows: List[tuple] = []
     worst = 0.0
     # disable=None: the bar shows on a terminal and stays out of piped logs.
-    bar = tqdm(batches, desc="A/B steps", unit="step", leave=False, disable=None)
-    for step, batch in enumerate(bar):
-        loss_f, ms_f = _step(fused, fused_opt, batch, setup)
-        loss_o, ms_o = _step(ours, our_opt, batch, setup)
-        d_w = _max_rel_diff(_embedding_state(ours), _embedding_state(fused))
-        d_s = _max_rel_diff(_optimizer_state(ours), _optimizer_state(fused))
-        d_l = abs(loss_o - loss_f) / (1.0 + abs(loss_f))
+    if pipeline:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipes = [TrainPipelineSparseDist(m, o, setup.device) for m, o in ((fused, fused_opt), (ours, our_opt))]
+        iters = [iter(_pipeline_batches(batches)) for _ in pipes]
+        steps = [lambda k=k: _pipeline_step(pipes[k], iters[k], setup) for k in range(2)]
+    else:
+        steps = [lambda k=k, m=m, o=o: _step(m, o, batches[step], setup)
+                 for k, (m, o) in enumerate(((fused, fused_opt), (ours, our_opt)))]
+    # disable unless rank 0 on a terminal: the bar stays out of piped logs and of other ranks'.
+    bar = tqdm(range(len(batches)), desc="A/B steps", unit="step", leave=False,
+               disable=None if setup.rank == 0 else True)
+    for step in bar:
+        loss_f, ms_f = steps[0]()
+        loss_o, ms_o = steps[1]()
+        # Every rank compares its own shards and its own batch's loss; the table shows the worst rank.
+        d_w = setup.all_max(_max_rel_diff(_embedding_state(ours), _embedding_state(fused)))
+        d_s = setup.all_max(_max_rel_diff(_optimizer_state(ours), _optimizer_state(fused)))
+        d_l = setup.all_max(abs(loss_o - loss_f) / (1.0 + abs(loss_f)))
+        ms_f, ms_o = setup.all_max(ms_f), setup.all_max(ms_o)
         worst = max(worst, d_w, d_s, d_l)
         rows.append((ms_f, ms_o))
-        tqdm.write(f"{step:>4} {loss_f:>11.6f} {loss_o:>11.6f} {d_w:>10.2e} {d_s:>10.2e} {ms_f:>9.1f} {ms_o:>9.1f}")
+        if setup.rank == 0:
+            tqdm.write(f"{step:>4} {loss_f:>11.6f} {loss_o:>11.6f} {d_w:>10.2e} {d_s:>10.2e} {ms_f:>9.1f} {ms_o:>9.1f}")
     bar.close()
     # Step 0 includes kernel compilation / interpreter warm-up; the median ignores stray slow steps.
     timed = rows[1:] or rows
     med_f = statistics.median(r[0] for r in timed)
     med_o = statistics.median(r[1] for r in timed)
-    print(f"median ms/step after step 0: fused {med_f:.1f}, triton {med_o:.1f}"
+    print(f"median ms/step after step 0 (slowest rank): fused {med_f:.1f}, triton {med_o:.1f}"
           + ("" if setup.gpu else "  (CPU: Triton's interpreter, not kernels)"))
     # The other direction of the checkpoint interchange: the trained Triton model's state into a fresh
     # fused model must be exact.
-    back, _ = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate)
+    back, _ = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate, pipeline)
     result = back.load_state_dict(copy.deepcopy(ours.state_dict()))
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(f"checkpoint interchange failed: {result}")
     back.fused_optimizer.load_state_dict(copy.deepcopy(ours.fused_optimizer.state_dict()))
-    d_back = max(_max_rel_diff(_embedding_state(back), _embedding_state(ours)),
-                 _max_rel_diff(_optimizer_state(back), _optimizer_state(ours)))
+    d_back = setup.all_max(max(_max_rel_diff(_embedding_state(back), _embedding_state(ours)),
+                               _max_rel_diff(_optimizer_state(back), _optimizer_state(ours))))
     print(f"checkpoint fused -> triton (before step 0) and triton -> fused (now): largest difference {d_back:.1e}")
     ok = worst <= args.tolerance and d_back == 0.0
     print(f"{'MATCH' if ok else 'MISMATCH'}: largest relative difference {worst:.2e} (tolerance {args.tolerance:.0e})")
