@@ -223,7 +223,6 @@ def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
     W = setup.world_size
     if sharding == "planner":
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-
         from torchrec.distributed.planner.types import ParameterConstraints
 
         topology = Topology(world_size=W, local_world_size=W, compute_device=setup.device.type)
@@ -253,8 +252,10 @@ def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
     )}
     if tables.sequence:
         seq_sharding = "table_wise" if sharding == "table_row_wise" else sharding
-        # An EmbeddingCollection has no table-row-wise sharding: "mixed" takes the other three.
-        seq_kind = lambda k: ("table_wise", "row_wise", "column_wise")[k % 3] if seq_sharding == "mixed" else seq_sharding  # noqa: E731
+        def seq_kind(k: int) -> str:
+            # An EmbeddingCollection has no table-row-wise sharding: "mixed" takes the other three.
+            return ("table_wise", "row_wise", "column_wise")[k % 3] if seq_sharding == "mixed" else seq_sharding
+
         plans["ec"] = sp.construct_module_sharding_plan(
             model.ec, {t.name: generators[seq_kind(k)](k) for k, t in enumerate(tables.sequence)},
             sharder=TritonTBEEmbeddingCollectionSharder(), **common,
