@@ -367,6 +367,8 @@ class TritonTableBatchedEmbeddingBags(torch.nn.Module):
                  optimizer=OptimType.EXACT_SGD, device=None, hoist_transpose_to_forward=False,
                  bag_size_hints=None, fused_bounds_check=False):
         super().__init__()
+        if VERSION == "boom-init":
+            raise ValueError("peer refused its arguments")
         self.embedding_specs = embedding_specs
         self.lr, self.eps, self.optimizer, self.output_dtype = learning_rate, eps, optimizer, output_dtype
         self.sizes = [r * d for r, d in embedding_specs]
@@ -389,6 +391,8 @@ class TritonTableBatchedEmbeddingBags(torch.nn.Module):
         raise AssertionError("the bench replaces this on CPU")
 
     def forward(self, indices, offsets, per_sample_weights=None, batch_size_per_feature_per_rank=None):
+        if VERSION == "boom-forward":
+            raise RuntimeError("peer exploded in forward")
         self.record_forward_event()
         T = len(self.embedding_specs)
         B = (offsets.numel() - 1) // T
@@ -557,6 +561,33 @@ def test_real_torchrec_triton_forward_matches_ours(tmp_path, argv):
         assert "median_ms" in shape["results"]["fwd"]["torchrec_triton"]
         if not torch.cuda.is_available():
             assert "transpose_embedding_input" in shape["results"]["bwd_exact_rowwise_adagrad"]["torchrec_triton"]["skipped"]
+    finally:
+        peers._purge(peers.TORCHREC_TRITON_PACKAGE)
+        peers._loaded.clear()
+
+
+@pytest.mark.parametrize("version,why", [("boom-init", "ValueError: peer refused its arguments"),
+                                         ("boom-forward", "RuntimeError: peer exploded in forward")])
+def test_a_failing_peer_is_recorded_and_the_shape_kept(tmp_path, capsys, monkeypatch, version, why):
+    """A peer that raises (building, in its check, or while timed) gets {"error": why} in every entry
+    and in the check, with a log line; ours and FBGEMM's numbers for the shape are kept."""
+    monkeypatch.setattr(peers, "_has_kernel", lambda op, key: True)
+    checkout = _fake_checkout(tmp_path / "tr", version)
+    argv = ["--batch-size", "4", "--num-tables", "2", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "3", "--iters", "1", "--compare", "fbgemm,torchrec_triton", "--torchrec-checkout",
+            str(checkout), "--check", "--optimizer", "exact_rowwise_adagrad", "--json", str(tmp_path / "r.json")]
+    try:
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        shape = json.loads((tmp_path / "r.json").read_text())["shapes"][0]
+        assert "error" not in shape
+        for entry in shape["results"].values():
+            assert entry["torchrec_triton"] == {"error": why}, entry
+            assert "median_ms" in entry["triton"] and "median_ms" in entry["fbgemm"] and "speedup" in entry
+            assert "speedup_torchrec_triton" not in entry
+        check = shape["check"]["exact_rowwise_adagrad"]
+        assert check["torchrec_triton"] == {"error": why} and check["ok"], check
+        assert f"torchrec_triton error: {why}" in out and out.count(f"error ({why})") == 2
     finally:
         peers._purge(peers.TORCHREC_TRITON_PACKAGE)
         peers._loaded.clear()

@@ -83,6 +83,13 @@ def _least_precise(*names: str) -> str:
     return max(names, key=_RANK.index)
 
 
+PEERS = tuple(k for k in COMPARE_KERNELS if k != "fbgemm")
+
+
+def _failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+
+
 def skip_reason(kernel: str, w: Workload, optimizer: Optional[str], device: torch.device) -> Optional[str]:
     """Why ``kernel`` cannot run this case's forward (``optimizer`` None) or its backward with
     ``optimizer``; None when it can. Ours and FBGEMM's run everything the bench offers."""
@@ -91,7 +98,21 @@ def skip_reason(kernel: str, w: Workload, optimizer: Optional[str], device: torc
     return peers.peer_skip_reason(kernel, w.case, optimizer, device)
 
 
-def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, torch.nn.Module]:
+class Modules(dict):
+    """build_modules' {kernel: module}, plus ``errors``: {peer: why} for a peer that raised while being
+    built (recorded as {"error": why} in every entry of the shape, instead of losing the shape's other
+    kernels' numbers; ours and FBGEMM's raise)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.errors: dict[str, str] = {}
+
+
+def peer_error(modules: dict, kernel: str) -> Optional[str]:
+    return getattr(modules, "errors", {}).get(kernel)
+
+
+def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
     """Ours and every compared kernel that can run at least this case's forward, with identical weights.
     A peer lacking ``optimizer`` is built with exact_sgd (its forward is the same)."""
     case = w.case
@@ -119,7 +140,7 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
     with torch.no_grad():
         for table in ours.split_embedding_weights():
             table.uniform_(-0.01, 0.01, generator=gen)
-    modules: dict[str, torch.nn.Module] = {"triton": ours}
+    modules = Modules(triton=ours)
     if "fbgemm" in opts.compare:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
@@ -139,13 +160,17 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> dict[str, to
     if "torchrec_triton" in opts.compare and skip_reason("torchrec_triton", w, None, opts.device) is None:
         peer_optimizer = optimizer if skip_reason("torchrec_triton", w, optimizer, opts.device) is None \
             else "exact_sgd"
-        peer = peers.build_torchrec_triton(
-            opts.torchrec_checkout, list(zip(rows, w.Ds)), case, peer_optimizer, opts.device,
-            fused_bounds_check=opts.fused_bounds_check, hoist_transpose=opts.hoist_transpose)
-        with torch.no_grad():  # same initial weights (its own are torch.empty)
-            for src, dst in zip(ours.split_embedding_weights(), peer.split_embedding_weights()):
-                dst.copy_(src)
-        modules["torchrec_triton"] = peer
+        try:
+            peer = peers.build_torchrec_triton(
+                opts.torchrec_checkout, list(zip(rows, w.Ds)), case, peer_optimizer, opts.device,
+                fused_bounds_check=opts.fused_bounds_check, hoist_transpose=opts.hoist_transpose)
+            with torch.no_grad():  # same initial weights (its own are torch.empty)
+                for src, dst in zip(ours.split_embedding_weights(), peer.split_embedding_weights()):
+                    dst.copy_(src)
+        except Exception as e:  # noqa: BLE001 - a peer's failure is its own result, recorded per pass
+            modules.errors["torchrec_triton"] = _failure(e)
+        else:
+            modules["torchrec_triton"] = peer
     return modules
 
 
@@ -193,12 +218,18 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
     weights and state compared only where it ran this optimizer's backward (else ``{"skipped": why}``)."""
     case = w.case
     device = w.grad_output.device
-    outs, stepped = {}, set()
+    outs, stepped, failed = {}, set(), {}
     for name, module in modules.items():
-        out = _call(module, w, 0)
-        if skip_reason(name, w, optimizer, device) is None:
-            out.backward(w.grad_output)
-            stepped.add(name)
+        try:
+            out = _call(module, w, 0)
+            if skip_reason(name, w, optimizer, device) is None:
+                out.backward(w.grad_output)
+                stepped.add(name)
+        except Exception as e:  # noqa: BLE001 - only a peer's failure is recorded; ours and FBGEMM's raise
+            if name not in PEERS:
+                raise
+            failed[name] = _failure(e)
+            continue
         outs[name] = out.detach()
     ours = modules["triton"]
     f_tol = _FWD_TOL[_least_precise(case.weights_precision, case.output_dtype)]
@@ -229,7 +260,9 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
     if "fbgemm" in modules:
         result.update(against("fbgemm"))
     for name in modules:
-        if name not in ("triton", "fbgemm"):
+        if name in failed:
+            result[name] = {"error": failed[name]}
+        elif name not in ("triton", "fbgemm"):
             result[name] = against(name)
             result[name]["ok"] = _all_ok(result[name])
     result["ok"] = _all_ok(result)
@@ -246,6 +279,12 @@ def check_summary(name: str, check: dict[str, Any]) -> str:
         return f"{v['max_abs_diff']:.3e}" if "max_abs_diff" in v else f"skipped: {v['skipped']}"
 
     return f"{name} output max|diff| {diff(check['output'])}, weights max|diff| {diff(check['weights_after_backward'])}"
+
+
+def _peer_summary(name: str, part: dict[str, Any], built: bool) -> str:
+    if "error" in part:
+        return f"{name} error: {part['error']}"
+    return check_summary(name, part) if built else f"{name} skipped: {part['skipped']}"
 
 
 def _merge(parts: list[dict]) -> dict:
@@ -302,8 +341,19 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
                 entry[kernel] = {"skipped": reason}
                 emit(f"{kernel}{prefix_extra} {'Backward' if backward else 'Forward'}: skipped ({reason})")
                 continue
-            timing = time_steps(make_step(modules[kernel], w), case.iters, warmup, opts.device,
-                                case.flush_gpu_cache_size_mb)
+            error = peer_error(modules, kernel)
+            if error is None:
+                try:
+                    timing = time_steps(make_step(modules[kernel], w), case.iters, warmup, opts.device,
+                                        case.flush_gpu_cache_size_mb)
+                except Exception as e:  # noqa: BLE001 - a peer's failure is its result; ours and FBGEMM's raise
+                    if kernel not in PEERS:
+                        raise
+                    error = _failure(e)
+            if error is not None:
+                entry[kernel] = {"error": error}
+                emit(f"{kernel}{prefix_extra} {'Backward' if backward else 'Forward'}: error ({error})")
+                continue
             bw = gbps(rw_bytes, timing.median_ms, backward)
             entry[kernel] = {**timing.as_dict(), "gbps": bw}
             emit(log_line(f"{kernel}{prefix_extra}", backward, B, E, T, w.D_logged, L, case.weighted, bw,
@@ -324,12 +374,13 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
         modules = build_modules(w, optimizer, opts)
         if opts.check:
             record["check"][optimizer] = check = check_first_batch(modules, w, optimizer)
-            for name in opts.kernels:  # a compared kernel that cannot run this case at all
+            for name in opts.kernels:  # a compared kernel that cannot run this case at all, or failed to build
                 if name not in modules:
-                    check[name] = {"skipped": skip_reason(name, w, None, opts.device)}
+                    error = peer_error(modules, name)
+                    check[name] = {"error": error} if error else {"skipped": skip_reason(name, w, None, opts.device)}
+
             parts = [check_summary("fbgemm", check)] if "fbgemm" in modules else []
-            parts += [check_summary(n, check[n]) if n in modules else f"{n} skipped: {check[n]['skipped']}"
-                      for n in opts.kernels if n not in ("triton", "fbgemm")]
+            parts += [_peer_summary(n, check[n], n in modules) for n in opts.kernels if n not in ("triton", "fbgemm")]
             if "fbgemm" in modules and len(parts) == 1:  # FBGEMM only: the line as it always was
                 parts = [parts[0][len("fbgemm "):]]
             emit(f"[{case.name}] check {optimizer}: {'ok' if check['ok'] else 'MISMATCH'} ({'; '.join(parts)})")
