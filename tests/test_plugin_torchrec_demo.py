@@ -61,3 +61,19 @@ def test_demo_on_two_ranks_every_sharding_type_with_the_train_pipeline():
 def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
     argv = SMALL + ["--sharding", "planner", "--loop", "plain", "--sequence", "--expect", "table_wise"]
     plugin_cases.spawn(_two_rank_demo, 2, argv)
+
+
+def test_demo_on_production_shaped_tables(tmp_path, capsys):
+    """--shape: a suite shape's per-table rows, dims, bag sizes and Zipf exponents (here a tiny suite
+    of three tables of different dims, one uniform), the concatenating model, the train pipeline."""
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(
+        "name: tiny\nshapes:\n"
+        "  - name: prod_tiny\n    num_tables: 3\n    batch_size: 4\n"
+        "    num_embeddings_list: [50, 7, 300]\n    embedding_dim_list: [8, 12, 4]\n"
+        "    bag_size_list: [3, 1, 5]\n    alpha_list: [1.15, 1.0, 1.15]\n")
+    rc = torchrec_demo.main(["--shape", "prod_tiny", "--suite", str(suite), "--steps", "2", "--sharding", "mixed"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tables=3 shape=prod_tiny" in out and "dims 4..12" in out and "B=4" in out, out
+    assert "loop=TrainPipelineSparseDist" in out and "MATCH" in out and "MISMATCH" not in out, out

@@ -9,6 +9,8 @@
 #   host        host issue time vs GPU time of ours and FBGEMM's TBE on FBGEMM's default shape
 #               (tools/host_profile.py), both optimizers
 #   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
+#   demo-prod   the same on production-shaped tables (DEMO_SHAPES, default prod_t40_b16k,prod_t100_b2k: the suite
+#               shapes' per-table rows, dims, bag sizes; the concatenating model)
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
@@ -51,6 +53,11 @@ for step in "$@"; do
           2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -7)
       done ;;
     demo) timeout 300 python tools/demo_profile.py --steps 20 --json "$OUT/demo_profile.json" 2>&1 | quiet | tail -8 ;;
+    demo-prod)
+      for shape in $(echo "${DEMO_SHAPES:-prod_t40_b16k,prod_t100_b2k}" | tr , ' '); do
+        timeout 280 python tools/demo_profile.py --shape "$shape" --steps 20 --json "$OUT/demo_profile_$shape.json" \
+          2>&1 | quiet | tail -8
+      done ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;

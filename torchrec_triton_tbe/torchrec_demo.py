@@ -34,8 +34,9 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -81,7 +82,7 @@ class Setup:
 def _parse(argv, gpu: bool) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20 if gpu else 8)
-    ap.add_argument("--batch-size", type=int, default=8192 if gpu else 32)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: 8192 on a GPU, 32 on CPU; --shape's")
     ap.add_argument("--num-tables", type=int, default=8 if gpu else 4, help="half SUM, half MEAN")
     ap.add_argument("--num-embeddings", type=int, default=500_000 if gpu else 200)
     ap.add_argument("--embedding-dim", type=int, default=128 if gpu else 16)
@@ -99,12 +100,24 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
     ap.add_argument("--vbe", action="store_true",
                     help="variable batch size per feature: each feature's KJT holds its own deduplicated batch, "
                          "expanded to the B samples by inverse indices")
+    ap.add_argument("--shape", default=None,
+                    help="production-shaped tables: a shape of the bench suite (--suite), e.g. prod_t40_b16k: its "
+                         "per-table rows, dims, bag sizes and Zipf exponents and its batch size (--batch-size wins "
+                         "when given); the model concatenates the pooled embeddings (dims differ) into an MLP")
+    ap.add_argument("--suite", default="h200", help="the bench suite --shape is read from (name or YAML path)")
+    ap.add_argument("--rows-scale", type=float, default=1.0,
+                    help="multiply every --shape table's rows by this (at least 1 row), to fit a small machine")
     ap.add_argument("--loop", choices=LOOPS, default=None,
                     help="pipeline: TorchRec's TrainPipelineSparseDist (the default; plain with --sequence, whose "
                          "second KJT TorchRec's Batch does not carry); plain: forward, backward, step")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.shape is not None and (args.sequence or args.vbe):
+        ap.error("--shape takes fixed-batch pooled tables: no --sequence / --vbe")
+    if args.shape is None and args.batch_size is None:
+        args.batch_size = 8192 if gpu else 32
+    return args
 
 
 def _init_process_group(gpu: bool) -> Setup:
@@ -132,10 +145,45 @@ def _init_process_group(gpu: bool) -> Setup:
 class Tables:
     bags: list  # EmbeddingBagConfig: the DLRM's sparse features
     sequence: list  # EmbeddingConfig: an EmbeddingCollection next to them (--sequence), or none
+    bag_sizes: Optional[list] = None  # per bag table (--shape); else --bag-size for all
+    alphas: Optional[list] = None  # per bag table (--shape); else --alpha for all
+
+    @property
+    def mixed_dims(self) -> bool:
+        """DLRM's interaction needs one embedding dim: a --shape's tables take the concatenating model."""
+        return self.bag_sizes is not None
+
+
+def _shape_tables(args) -> Tables:
+    """--shape: the suite shape's tables (rows scaled by --rows-scale), SUM pooled as in the suite; its
+    batch size unless --batch-size was given."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    from torchrec_triton_tbe.bench.case import load_suite
+
+    _, shapes = load_suite(args.suite, {})
+    found = [sh for sh in shapes if sh.case.name == args.shape]
+    if not found:
+        raise SystemExit(f"--shape {args.shape!r}: not in suite {args.suite!r} ({', '.join(sh.case.name for sh in shapes)})")
+    case = found[0].case
+    if case.vbe or case.pooling != "sum":
+        raise SystemExit(f"--shape {args.shape!r}: a {case.pooling} / variable-batch shape; the demo takes fixed-batch SUM shapes")
+    if args.batch_size is None:
+        args.batch_size = case.batch_size_at(0)
+    np.random.seed(42)  # FBGEMM's benchmark seeds NumPy before drawing mixed dims (bench/case.py)
+    dims = case.table_dims()
+    bags = [EmbeddingBagConfig(name=f"t{k}", embedding_dim=dims[k], feature_names=[f"f{k}"], pooling=PoolingType.SUM,
+                               num_embeddings=max(1, round(case.num_embeddings_at(k) * args.rows_scale)))
+            for k in range(case.num_tables)]
+    return Tables(bags, [], bag_sizes=[case.bag_size_at(k) for k in range(case.num_tables)],
+                  alphas=[case.alpha_at(k) for k in range(case.num_tables)])
 
 
 def _tables(args) -> Tables:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+    if args.shape is not None:
+        return _shape_tables(args)
 
     # --vbe on a CPU: FBGEMM's CPU TBE has no merged output of several kernel groups (TorchRec's
     # vbe_output), so every table pools the same way there: one group.
@@ -180,9 +228,53 @@ class _WithSequence(torch.nn.Module):
         return logits + self.proj(pooled)
 
 
+class _SparseArch(torch.nn.Module):
+    def __init__(self, ebc) -> None:
+        super().__init__()
+        self.embedding_bag_collection = ebc
+
+
+class _ConcatModel(torch.nn.Module):
+    """For tables of different dims (--shape): the pooled embeddings concatenated with the dense arch's
+    output, then an MLP to one logit (DLRM's pairwise interaction needs one dim)."""
+
+    def __init__(self, ebc, dense_in: int, device: torch.device) -> None:
+        super().__init__()
+        self.sparse_arch = _SparseArch(ebc)
+        total = sum(t.embedding_dim for t in ebc.embedding_bag_configs())
+        # Sum-pooled bags of up to ~120 ids: normalised before the MLP, so plain SGD on it stays stable.
+        self.norm = torch.nn.LayerNorm(total, device=device)
+        self.dense_arch = torch.nn.Sequential(torch.nn.Linear(dense_in, 64, device=device), torch.nn.ReLU())
+        self.over_arch = torch.nn.Sequential(torch.nn.Linear(total + 64, 128, device=device), torch.nn.ReLU(),
+                                             torch.nn.Linear(128, 1, device=device))
+
+    def forward(self, dense_features, sparse_features):
+        pooled = self.norm(self.sparse_arch.embedding_bag_collection(sparse_features).values())
+        return self.over_arch(torch.cat([pooled, self.dense_arch(dense_features)], 1))
+
+
+class _Train(torch.nn.Module):
+    """model(batch) -> (loss, (loss, logits, labels)), detached outputs: what TrainPipelineSparseDist
+    calls (as torchrec.models.dlrm.DLRMTrain, for the concatenating model)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+
 def _model(tables: Tables, setup: Setup, dense_in: int, pipeline: bool = False):
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    if tables.mixed_dims:
+        model = _ConcatModel(EmbeddingBagCollection(tables=tables.bags, device=torch.device("meta")), dense_in,
+                             setup.device)
+        return _Train(model) if pipeline else model
 
     D = tables.bags[0].embedding_dim
     dlrm = DLRM(
@@ -286,7 +378,7 @@ def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr:
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def _kjt(configs, args, g, dtype, vbe: bool):
+def _kjt(configs, args, g, dtype, vbe: bool, bag_sizes=None, alphas=None):
     """Zipf-skewed bags of every feature of ``configs``. VBE: feature f holds its own batch of B_f <= B
     distinct samples (a per-feature deduplication, as TorchRec's VBE inputs carry), expanded to the B
     samples by ``inverse_indices``."""
@@ -296,8 +388,12 @@ def _kjt(configs, args, g, dtype, vbe: bool):
     keys = [f for t in configs for f in t.feature_names]
     rows = [t.num_embeddings for t in configs for _ in t.feature_names]
     strides = [int(torch.randint(max(1, B // 4), B + 1, (1,), generator=g)) if vbe else B for _ in keys]
-    lengths = [torch.randint(0, 2 * args.bag_size + 1, (s,), generator=g) for s in strides]
-    values = [skewed_ids(n, int(ls.sum()), args.alpha, g) for n, ls in zip(rows, lengths)]
+    Ls = bag_sizes or [args.bag_size] * len(keys)
+    alphas = alphas or [args.alpha] * len(keys)
+    lengths = [torch.randint(0, 2 * L + 1, (s,), generator=g) for s, L in zip(strides, Ls)]
+    # alpha <= 1 (the suites' "uniform" tables): uniform ids, as FBGEMM's request generator.
+    values = [skewed_ids(n, int(ls.sum()), a, g) if a > 1 else torch.randint(0, n, (int(ls.sum()),), generator=g)
+              for n, ls, a in zip(rows, lengths, alphas)]
     if not vbe:
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values).to(dtype),
                                                    lengths=torch.cat(lengths).to(dtype))
@@ -313,7 +409,7 @@ def _batches(tables: Tables, args, setup: Setup, dense_in: int):
     dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     out = []
     for _ in range(args.steps):
-        kjt = _kjt(tables.bags, args, g, dtype, args.vbe)
+        kjt = _kjt(tables.bags, args, g, dtype, args.vbe, tables.bag_sizes, tables.alphas)
         seq = _kjt(tables.sequence, args, g, dtype, False) if tables.sequence else None
         dense = torch.randn(args.batch_size, dense_in, generator=g)
         labels = (torch.rand(args.batch_size, generator=g) < 0.3).float()
@@ -448,13 +544,23 @@ def _run(args, setup: Setup) -> int:
     print = setup.print  # noqa: A001  (rank 0 prints; every rank computes)
     print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}, "
           f"world_size={setup.world_size}, loop={'TrainPipelineSparseDist' if pipeline else 'plain'}")
-    print(f"tables={len(tables.bags)} rows<={args.num_embeddings} dim={args.embedding_dim} pooling={pooling} "
-          f"B={args.batch_size} mean L={args.bag_size} alpha={args.alpha} sharding={args.sharding} "
+    if tables.mixed_dims:
+        dims = sorted({t.embedding_dim for t in tables.bags})
+        sizes = (f"shape={args.shape} (suite {args.suite}, rows x{args.rows_scale:g}): rows "
+                 f"{min(t.num_embeddings for t in tables.bags)}..{max(t.num_embeddings for t in tables.bags)} "
+                 f"dims {dims[0]}..{dims[-1]} L {min(tables.bag_sizes)}..{max(tables.bag_sizes)}")
+    else:
+        sizes = (f"rows<={args.num_embeddings} dim={args.embedding_dim} mean L={args.bag_size} alpha={args.alpha}")
+    print(f"tables={len(tables.bags)} {sizes} pooling={pooling} B={args.batch_size} sharding={args.sharding} "
           f"optimizer={args.optimizer} ids={args.index_dtype} options={options}"
           + (f" sequence_tables={len(tables.sequence)}" if tables.sequence else "")
           + (" vbe=variable batch per feature" if args.vbe else ""))
-    print("plan: " + ", ".join(f"{t}={ps.sharding_type}" + (f"@{ps.ranks}" if ps.ranks is not None else "")
-                               for mp in plan.values() for t, ps in mp.items()))
+    placements = [f"{t}={ps.sharding_type}" + (f"@{ps.ranks}" if ps.ranks is not None else "")
+                  for mp in plan.values() for t, ps in mp.items()]
+    if len(placements) > 12:  # many tables: the count of each sharding type
+        kinds = [ps.sharding_type for mp in plan.values() for ps in mp.values()]
+        placements = [f"{k} x{kinds.count(k)}" for k in sorted(set(kinds))]
+    print("plan: " + ", ".join(placements))
     head = (f"{'step':>4} {'loss fused':>11} {'loss triton':>11} {'max|dW|rel':>10} {'max|dS|rel':>10} "
             f"{'ms fused':>9} {'ms triton':>9}")
     print(head)
