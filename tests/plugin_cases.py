@@ -20,7 +20,13 @@ from torch import nn
 # First: the plugin must be imported before torchrec on a machine without CUDA (see torchrec_triton_tbe/_env.py).
 import torchrec_triton_tbe.plugin as plugin
 from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType
-from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_fused, use_triton_tbe
+from torchrec_triton_tbe.plugin import (
+    TritonTBEEmbeddingCollectionSharder,
+    TritonTBEOptions,
+    TritonTBESharder,
+    use_fused,
+    use_triton_tbe,
+)
 
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
@@ -31,8 +37,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardedTensor, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
@@ -85,17 +91,20 @@ def single_rank_pg() -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def spawn(fn: Callable, world_size: int, *args) -> None:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; a failure on any rank
-    (with its traceback) fails the caller."""
-    torch.multiprocessing.spawn(_rank_main, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo") -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on CPU; ``backend="nccl"``: one
+    GPU per rank); a failure on any rank (with its traceback) fails the caller."""
+    torch.multiprocessing.spawn(_rank_main, args=(world_size, free_port(), fn, args, backend), nprocs=world_size,
+                                join=True)
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args, backend: str = "gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), MASTER_ADDR="localhost", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks share two cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -160,8 +169,8 @@ def batch(
 
 def loss_fn(pooled: torch.Tensor, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(7 + step)
-    proj = torch.randn(pooled.shape[1], generator=g)
-    target = torch.randn(pooled.shape[0], generator=g)
+    proj = torch.randn(pooled.shape[1], generator=g).to(pooled.device)
+    target = torch.randn(pooled.shape[0], generator=g).to(pooled.device)
     return ((pooled @ proj - target) ** 2).mean()
 
 
@@ -256,8 +265,8 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- comparisons
-def kernels(dmp) -> list:
-    sharded = dmp.module.ebc
+def kernels(dmp, collection: str = "ebc") -> list:
+    sharded = getattr(dmp.module, collection)
     return [k for lookup in sharded._lookups for k in _unwrap(lookup)._emb_modules]
 
 
@@ -267,12 +276,15 @@ def _unwrap(lookup):
     return lookup
 
 
-def assert_routed(dmp, expect_ours: bool) -> None:
-    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+def assert_routed(dmp, expect_ours: bool, collection: str = "ebc") -> None:
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
 
-    ks = kernels(dmp)
+    ks = kernels(dmp, collection)
     assert ks, "no kernels on this rank"
-    kind = plugin.TritonTBEEmbeddingBag if expect_ours else BatchedFusedEmbeddingBag
+    if collection == "ebc":
+        kind = plugin.TritonTBEEmbeddingBag if expect_ours else BatchedFusedEmbeddingBag
+    else:
+        kind = plugin.TritonTBEEmbedding if expect_ours else BatchedFusedEmbedding
     assert all(type(k) is kind for k in ks), [type(k).__name__ for k in ks]
 
 
@@ -444,3 +456,173 @@ def dcp_reshard(rank: int, world_size: int, path: str, src: tuple, dst: tuple) -
     after_src, after_dst = full_state(model), full_state(loaded)
     for k in after_src:
         assert_close(after_dst[k], after_src[k], f"{what}: {k} after training on")
+
+
+# ---------------------------------------------------------------------------------------------- sequence model
+# One D for every table: an EmbeddingCollection requires it (and FBGEMM's sequence kernels).
+SEQ_TABLES = (
+    EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=24, feature_names=["g0"]),
+    EmbeddingConfig(name="s1", embedding_dim=8, num_embeddings=20, feature_names=["g1", "g2"]),
+    EmbeddingConfig(name="s2", embedding_dim=8, num_embeddings=30, feature_names=["g3"]),
+)
+SEQ_FEATURES = [f for t in SEQ_TABLES for f in t.feature_names]
+SEQ_PLANS = {
+    "table_wise": lambda ws: {"s0": table_wise(rank=0), "s1": table_wise(rank=ws - 1), "s2": table_wise(rank=0)},
+    "row_wise": lambda ws: {t.name: row_wise() for t in SEQ_TABLES},
+    "column_wise": lambda ws: {t.name: column_wise(ranks=[0, ws - 1]) for t in SEQ_TABLES},
+}
+
+
+class SeqModel(nn.Module):
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables=list(SEQ_TABLES), device=torch.device(device))
+
+    def forward(self, kjt) -> torch.Tensor:
+        out = self.ec(kjt)
+        return torch.cat([out[f].values() for f in SEQ_FEATURES])
+
+
+def seq_initial_state():
+    torch.manual_seed(0)
+    return SeqModel(device="cpu").state_dict()
+
+
+def seq_plans(sharding: str, world_size: int, options: TritonTBEOptions = TritonTBEOptions()):
+    gens = SEQ_PLANS[sharding](world_size)
+    plan = construct_module_sharding_plan(SeqModel().ec, gens, sharder=TritonTBEEmbeddingCollectionSharder(),
+                                          local_size=world_size, world_size=world_size, device_type="cpu")
+    return use_fused(plan), use_triton_tbe(plan, options=options)
+
+
+
+# ---------------------------------------------------------------------------------------------- 2D parallel
+def cpu_dmp_collection() -> type:
+    """TorchRec's ``DMPCollection`` made to run on CPU gloo ranks, for tests only. TorchRec refuses anything
+    but CUDA / MTIA with one ``assert device.type == "cuda" or ...`` and writes shard placements with a
+    device index (``rank:1/cpu:1``), which CPU ShardedTensors reject. So: TorchRec's own class source,
+    compiled with assertions stripped (``compile(..., optimize=1)``, as ``python -O`` would; its other
+    asserts only guard internal invariants), with its placements rewritten to ``rank:N/cpu`` after its own
+    plan remap. Process groups, plan remap, sharding, module grouping and ``sync()`` are TorchRec's code.
+    The plugin's replica-sync wrapper is installed on the copy as on TorchRec's class."""
+    import inspect
+    import textwrap
+
+    import torchrec.distributed.model_parallel as mp
+    from torch.distributed.remote_device import _remote_device
+    from torchrec_triton_tbe.plugin import two_d
+
+    source = textwrap.dedent(inspect.getsource(mp.DMPCollection))
+    assert 'device.type == "cuda"' in source, "TorchRec's DMPCollection no longer asserts CUDA: drop this shim"
+    namespace = dict(vars(mp))
+    exec(compile(source, mp.__file__, "exec", optimize=1), namespace)
+    base = namespace["DMPCollection"]
+    two_d.install(base)
+
+    class CpuDMPCollection(base):
+        def _remap_sharding_plan(self, plan, *args, **kwargs) -> None:
+            super()._remap_sharding_plan(plan, *args, **kwargs)
+            for module_plan in plan.plan.values():
+                for ps in module_plan.values():
+                    for shard in getattr(ps.sharding_spec, "shards", None) or ():
+                        shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+
+    return CpuDMPCollection
+
+
+def replica_mean(dmp, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` averaged over this rank's replica group (a collective on it)."""
+    group = dmp._default_ctx.replica_pg
+    total = tensor.detach().double().clone()
+    dist.all_reduce(total, group=group)
+    return total / dist.get_world_size(group)
+
+
+def replicas_equal(dmp, tensor: torch.Tensor) -> bool:
+    group = dmp._default_ctx.replica_pg
+    everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, tensor.detach().contiguous(), group=group)
+    return all(torch.equal(everyone[0], t) for t in everyone[1:])
+
+
+def kernel_tensors(dmp, collection: str = "ebc") -> Dict[str, torch.Tensor]:
+    """Per kernel on this rank, each table's weight and each optimizer state, through FBGEMM's getters
+    (FBGEMM's CPU TBE for fused, ours for ours): the same names for both kernels."""
+    out = {}
+    for k, kernel in enumerate(kernels(dmp, collection)):
+        module = kernel.emb_module
+        for t, w in enumerate(module.split_embedding_weights()):
+            out[f"kernel{k}/table{t}/weight"] = w
+        if module.optimizer != EmbOptimType.EXACT_SGD:
+            for t, states in enumerate(module.split_optimizer_states()):
+                for s, state in enumerate(states):
+                    out[f"kernel{k}/table{t}/state{s}"] = state
+    return out
+
+
+def two_d_train(rank: int, world_size: int, sharding: str, group_size: int, kernel: str,
+                optimizer: EmbOptimType, collection: str = "ebc", device: str = "cpu", steps: int = 2) -> tuple:
+    """A ``DMPCollection`` of the test model (``collection`` "ebc": the pooled tables; "ec": the sequence
+    tables): ``sharding`` within sharding groups of ``group_size`` ranks, ``world_size // group_size``
+    replicas, each rank its own batches, ``sync()`` after every step. Checks that every step's sync made
+    the replicas' tensors equal, and equal to their mean before it, and that the replicas differed before
+    it (so the sync is what made them agree). On ``device="cuda"`` (NCCL ranks): TorchRec's own
+    ``DMPCollection`` with its default ``ReduceOp.AVG``. Returns (losses, tensors on the CPU)."""
+    if collection == "ebc":
+        model, tables, init, sharder_type = Model(), TABLES, reference_state(), TritonTBESharder
+        fused_plan, our_plan = Case(sharding=sharding, optimizer=optimizer).plans(group_size)
+    else:
+        model, tables, init = SeqModel(), SEQ_TABLES, seq_initial_state()
+        sharder_type = TritonTBEEmbeddingCollectionSharder
+        fused_plan, our_plan = seq_plans(sharding, group_size)
+    replica_group = [None]
+
+    def average(tensors: List[torch.Tensor]) -> None:
+        # gloo has no ReduceOp.AVG (NCCL's default path uses it): DMPCollection's custom_all_reduce hook.
+        for t in tensors:
+            dist.all_reduce(t, group=replica_group[0])
+            t.div_(dist.get_world_size(replica_group[0]))
+
+    if device == "cpu":
+        dmp_class, hook = cpu_dmp_collection(), {"custom_all_reduce": average}
+    else:
+        from torchrec.distributed.model_parallel import DMPCollection as dmp_class
+
+        hook = {}
+    dmp = dmp_class(
+        model, device=torch.device(device), plan=ShardingPlan({collection: our_plan if kernel == "triton" else fused_plan}),
+        world_size=world_size, sharding_group_size=group_size, global_pg=dist.group.WORLD,
+        sharders=[sharder_type(fused_params=fused_params(optimizer))], **hook,
+    )
+    replica_group[0] = dmp._default_ctx.replica_pg
+    assert_routed(dmp, expect_ours=kernel == "triton", collection=collection)
+    result = dmp.load_state_dict(init, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    losses = []
+    for step in range(steps):
+        kjt = batch(tables, step, rank).to(torch.device(device))
+        loss = loss_fn(dmp(kjt), step)
+        loss.backward()
+        dmp.fused_optimizer.step()
+        before = {name: t.detach().clone() for name, t in kernel_tensors(dmp, collection).items()}
+        means = {name: replica_mean(dmp, t) for name, t in before.items()}
+        differed = [name for name, t in before.items() if not replicas_equal(dmp, t)]
+        assert differed, f"{kernel} step {step}: the replicas agreed before sync(): the test shows nothing"
+        dmp.sync()
+        for name, t in kernel_tensors(dmp, collection).items():
+            assert replicas_equal(dmp, t), f"{kernel} step {step}: {name} differs across replicas after sync()"
+            assert_close(t, means[name].to(t.dtype), f"{kernel} step {step}: {name} after sync() vs the replica mean")
+        losses.append(loss.item())
+    return losses, {name: t.detach().cpu().clone() for name, t in kernel_tensors(dmp, collection).items()}
+
+
+def two_d_ab(rank: int, world_size: int, sharding: str, group_size: int, optimizer: EmbOptimType,
+             collection: str = "ebc", device: str = "cpu") -> None:
+    """The same 2D-parallel training on fused and on ours: same losses, weights and optimizer state."""
+    fused_losses, fused = two_d_train(rank, world_size, sharding, group_size, "fused", optimizer, collection, device)
+    our_losses, ours = two_d_train(rank, world_size, sharding, group_size, "triton", optimizer, collection, device)
+    what = f"2D {collection} {sharding} group {group_size} of {world_size} ranks, {optimizer.name}, rank {rank}"
+    assert_close(torch.tensor(our_losses), torch.tensor(fused_losses), f"{what}: losses")
+    assert sorted(ours) == sorted(fused), (sorted(ours), sorted(fused))
+    for name in fused:
+        assert_close(ours[name], fused[name], f"{what}: {name}")

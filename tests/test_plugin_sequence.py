@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import plugin_cases as pc
 from plugin_cases import EmbOptimType, TritonTBEOptions as Options
@@ -16,53 +15,16 @@ from torchrec_triton_tbe.plugin import (
     TritonTBEEmbedding,
     TritonTBEEmbeddingCollectionSharder,
     TritonTBESharder,
-    use_fused,
-    use_triton_tbe,
 )
 
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbedding
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
 
 ADAGRAD, SGD, EXACT_ADAGRAD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD
 I32 = torch.int32
-# One D for every table: an EmbeddingCollection requires it (and FBGEMM's sequence kernels).
-SEQ_TABLES = (
-    EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=24, feature_names=["g0"]),
-    EmbeddingConfig(name="s1", embedding_dim=8, num_embeddings=20, feature_names=["g1", "g2"]),
-    EmbeddingConfig(name="s2", embedding_dim=8, num_embeddings=30, feature_names=["g3"]),
-)
-FEATURES = [f for t in SEQ_TABLES for f in t.feature_names]
-PLANS = {
-    "table_wise": lambda ws: {"s0": table_wise(rank=0), "s1": table_wise(rank=ws - 1), "s2": table_wise(rank=0)},
-    "row_wise": lambda ws: {t.name: row_wise() for t in SEQ_TABLES},
-    "column_wise": lambda ws: {t.name: column_wise(ranks=[0, ws - 1]) for t in SEQ_TABLES},
-}
-
-
-class SeqModel(nn.Module):
-    def __init__(self, device: str = "meta") -> None:
-        super().__init__()
-        self.ec = EmbeddingCollection(tables=list(SEQ_TABLES), device=torch.device(device))
-
-    def forward(self, kjt) -> torch.Tensor:
-        out = self.ec(kjt)
-        return torch.cat([out[f].values() for f in FEATURES])
-
-
-def _initial_state():
-    torch.manual_seed(0)
-    return SeqModel(device="cpu").state_dict()
-
-
-def _plans(sharding: str, world_size: int, options: Options = Options()):
-    gens = PLANS[sharding](world_size)
-    plan = construct_module_sharding_plan(SeqModel().ec, gens, sharder=TritonTBEEmbeddingCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    return use_fused(plan), use_triton_tbe(plan, options=options)
+SEQ_TABLES, SeqModel = pc.SEQ_TABLES, pc.SeqModel
+_initial_state, _plans = pc.seq_initial_state, pc.seq_plans
 
 
 def _dmp(plan, sharder, init=None):

@@ -25,7 +25,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner import enumerators, shard_estimators
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
-from torchrec.distributed.types import ParameterSharding, ShardedTensor, ShardingEnv2D, ShardingPlan
+from torchrec.distributed.types import ParameterSharding, ShardedTensor, ShardingEnv2D, ShardingPlan, ShardingStrategy
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
@@ -147,10 +147,12 @@ def test_sharder_arguments_and_upgrade():
         sharder._upgrade("t0", dataclasses.replace(plain, sharding_type="table_column_wise"))
 
 
-def test_two_dimensional_parallel_is_refused():
-    # DMPCollection's replica weight sync looks for FBGEMM modules only; refused before anything is built.
+def test_fully_sharded_two_dimensional_parallel_is_refused():
+    # FULLY_SHARDED replaces FBGEMM kernels by TorchRec's reduce-scatter class; refused before anything is
+    # built. DEFAULT / PER_MODULE 2D parallel runs (tests/test_plugin_2d.py).
     env = ShardingEnv2D.__new__(ShardingEnv2D)
-    with pytest.raises(NotImplementedError, match="2D parallel"):
+    env.sharding_strategy = ShardingStrategy.FULLY_SHARDED
+    with pytest.raises(NotImplementedError, match=r"tables \['t0', 't1', 't2'\].*FULLY_SHARDED"):
         TritonTBESharder().shard(pc.Model().ebc, use_triton_tbe(pc.base_plan("table_wise", 1)), env)
 
 

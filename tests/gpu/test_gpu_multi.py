@@ -1,6 +1,6 @@
 """The A/B on two GPUs of one host (issue 12; needs the nvidia-h200-x2 device kind, skipped with fewer
 GPUs): torchrun launches one NCCL rank per GPU; every sharding type, the planner's mix and a VBE batch,
-on TrainPipelineSparseDist; every rank's shards against fused's. Each run's output (per-step ms of both
+on TrainPipelineSparseDist; every rank's shards against fused's; and 2D parallel (DMPCollection). Each run's output (per-step ms of both
 kernels, slowest rank) goes to $MULTI_GPU_LOG_DIR when set. Not yet run: no two-GPU machine was lent."""
 
 import os
@@ -35,3 +35,21 @@ def test_two_gpu_demo_matches_fused(name):
         (Path(log_dir) / f"{name}.txt").write_text(out)
     assert proc.returncode == 0, out[-6000:]
     assert "world_size=2" in proc.stdout and "MATCH" in proc.stdout and "MISMATCH" not in proc.stdout, out[-6000:]
+
+
+TWO_D = [("ebc", "table_wise", "exact_rowwise_adagrad"), ("ebc", "table_wise", "exact_sgd"),
+         ("ec", "table_wise", "exact_rowwise_adagrad")]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("collection,sharding,optimizer", TWO_D, ids=["-".join(c) for c in TWO_D])
+def test_two_gpu_2d_parallel_matches_fused(collection, sharding, optimizer):
+    """TorchRec's DMPCollection on two NCCL ranks (sharding groups of one GPU, two replicas, sync() with
+    its default ReduceOp.AVG after every step) with fused and with ours: the replicas agree after each
+    sync, equal their mean before it, and ours equals fused (tests/plugin_cases.py: two_d_ab, the CPU
+    test's harness without its CPU shim). Not yet run: no two-GPU machine was lent."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import plugin_cases as pc
+
+    optim = getattr(pc.EmbOptimType, optimizer.upper())
+    pc.spawn(pc.two_d_ab, 2, sharding, 1, optim, collection, "cuda", backend="nccl")

@@ -2,8 +2,9 @@
 
     from torchrec_triton_tbe.plugin import TritonTBESharder, TritonTBEOptions, use_triton_tbe, use_fused
 
-Importing this package wraps TorchRec's lookup kernel factory (see ``sharding``) and registers the
-planner's bandwidth and guard for ``customized_kernel`` (see ``sharder``). Nothing changes for tables
+Importing this package wraps TorchRec's lookup kernel factory (see ``sharding``) and DMPCollection's
+replica-sync tensor cache (see ``two_d``), and registers the planner's bandwidth and guard for
+``customized_kernel`` (see ``sharder``). Nothing changes for tables
 whose plan entry does not ask for ``customized_kernel`` with ``customized_compute_kernel="triton_tbe"``.
 """
 
@@ -22,6 +23,7 @@ from torchrec_triton_tbe.plugin.sharder import (
     use_triton_tbe,
 )
 from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES, install
+from torchrec_triton_tbe.plugin import two_d  # noqa: F401  (DMPCollection's replica sync covers our tables)
 
 __all__ = [
     "MARKER",

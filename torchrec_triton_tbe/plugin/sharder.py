@@ -33,6 +33,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingEnv2D,
     ShardingPlan,
+    ShardingStrategy,
     ShardingType,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -188,7 +189,7 @@ class _OurKernelSharder:
     types we implement, plain ``ParameterSharding(compute_kernel="customized_kernel")`` entries (the
     planner's output, or ``table_wise(rank, compute_kernel="customized_kernel")`` plans) upgraded to ours
     with the sharder's ``options`` (entries already of type ``TritonTBEParameterSharding`` keep theirs),
-    and 2D parallel refused."""
+    and 2D parallel's FULLY_SHARDED strategy refused."""
 
     options: TritonTBEOptions
     sharding_types_ours: tuple = SUPPORTED_SHARDING_TYPES
@@ -207,10 +208,16 @@ class _OurKernelSharder:
 
     def _our_params(self, params: Dict[str, ParameterSharding], env: ShardingEnv) -> Dict[str, ParameterSharding]:
         params = {table: self._upgrade(table, ps) for table, ps in params.items()}
-        if isinstance(env, ShardingEnv2D) and any(is_triton_tbe_sharding(ps) for ps in params.values()):
-            # DMPCollection's replica weight sync looks for FBGEMM TBE modules only: ours would silently
-            # drift apart across replicas.
-            raise NotImplementedError("Triton TBE kernel: 2D parallel (DMPCollection / ShardingEnv2D) is not supported")
+        strategy = getattr(env, "sharding_strategy", None)
+        if isinstance(env, ShardingEnv2D) and strategy == ShardingStrategy.FULLY_SHARDED:
+            ours = sorted(table for table, ps in params.items() if is_triton_tbe_sharding(ps))
+            if ours:
+                # FULLY_SHARDED swaps in TorchRec's own reduce-scatter kernel class for FBGEMM tables;
+                # ours would keep full replicas without the forward's weight sync.
+                raise NotImplementedError(
+                    f"Triton TBE kernel: tables {ours}: DMPCollection's ShardingStrategy.FULLY_SHARDED is not "
+                    "supported (DEFAULT and PER_MODULE are: replicas sync in DMPCollection.sync(), plugin/two_d.py)"
+                )
         return params
 
     def _upgrade(self, table: str, ps: ParameterSharding) -> ParameterSharding:
