@@ -14,6 +14,7 @@ from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbedding, TritonTBEEmbed
 from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
 from torchrec_triton_tbe.plugin.sharder import (
     TritonTBEEmbeddingCollectionSharder,
+    TritonTBEFeatureProcessedSharder,
     TritonTBEParameterSharding,
     TritonTBESharder,
     TritonTBEShardedEmbeddingBagCollection,
@@ -32,6 +33,7 @@ __all__ = [
     "TritonTBEEmbedding",
     "TritonTBEEmbeddingBag",
     "TritonTBEEmbeddingCollectionSharder",
+    "TritonTBEFeatureProcessedSharder",
     "TritonTBEOptions",
     "TritonTBEParameterSharding",
     "TritonTBESharder",

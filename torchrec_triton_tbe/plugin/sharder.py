@@ -8,7 +8,8 @@ rewriting for A/B runs against ``fused``, and the planner set-up.
 * ``TritonTBESharder`` / ``TritonTBEEmbeddingCollectionSharder``: TorchRec's ``EmbeddingBagCollection`` /
   ``EmbeddingCollection`` sharders that offer ``customized_kernel`` to the planner, upgrade the planner's
   plain ``ParameterSharding`` entries to ours, and build a sharded collection whose state_dict holds
-  ShardedTensors for our tables as for ``fused`` ones.
+  ShardedTensors for our tables as for ``fused`` ones. ``TritonTBEFeatureProcessedSharder``: TorchRec's
+  ``FeatureProcessedEmbeddingBagCollection`` sharder with a ``TritonTBESharder`` inside.
 * Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
   raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
   tables whose ``ParameterConstraints.compute_kernels`` ask for it.
@@ -24,6 +25,7 @@ from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import enumerators as _enumerators
 from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
@@ -325,6 +327,33 @@ class TritonTBEEmbeddingCollectionSharder(_OurKernelSharder, EmbeddingCollection
     @property
     def sharded_module_type(self) -> type:
         return TritonTBEShardedEmbeddingCollection
+
+
+class TritonTBEFeatureProcessedSharder(FeatureProcessedEmbeddingBagCollectionSharder):
+    """Shards ``FeatureProcessedEmbeddingBagCollection``s (an ``EmbeddingBagCollection`` behind feature
+    processors, e.g. ``PositionWeightedModuleCollection``): TorchRec's own sharder around a
+    ``TritonTBESharder`` for the inner collection, so its tables planned with ``customized_kernel`` run
+    on our kernel as weighted bags, and the processors' learnable weights get their gradient from our
+    backward. Same as ``FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=TritonTBESharder(...))``,
+    plus ``customized_kernel`` offered to the planner (TorchRec's class offers its base kernels only)."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+    ) -> None:
+        super().__init__(
+            ebc_sharder=TritonTBESharder(fused_params, qcomm_codecs_registry, options=options),
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    @property
+    def options(self) -> TritonTBEOptions:
+        return self._ebc_sharder.options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
 
 
 def _require(module: nn.Module, kind: type, other: str) -> None:
