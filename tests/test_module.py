@@ -145,3 +145,70 @@ def test_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     for x, y in zip(a.split_embedding_weights() + [a.momentum1], b.split_embedding_weights() + [b.momentum1]):
         assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------- eviction reset
+def _module_with_state(optimizer, specs=((10, 4), (6, 8), (7, 4))):
+    tbe = TritonTBE(list(specs), optimizer=optimizer, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        tbe.weights.copy_(torch.randn(tbe.weights.shape, generator=g))
+        for name in ("momentum1", "momentum2", "row_counter"):
+            buf = getattr(tbe, name)
+            buf.copy_(torch.rand(buf.shape, generator=g) + 0.5)
+    return tbe
+
+
+def _snapshot(tbe):
+    return {name: getattr(tbe, name).clone() for name in ("weights", "momentum1", "momentum2", "row_counter")}
+
+
+def test_reset_embedding_weight_momentum_zeroes_evicted_rows_like_fbgemm():
+    """FBGEMM's reset_weight_momentum kernel (row-wise Adagrad): entry i resets table logical_table_ids[i]'s
+    rows pruned_indices[offsets[b]:offsets[b+1]], b = buffer_ids[i]: weights and momentum to zero."""
+    tbe = _module_with_state(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    before = _snapshot(tbe)
+    pruned = torch.tensor([1, 3, 0, 5, 2])
+    tbe.reset_embedding_weight_momentum(
+        pruned_indices=pruned, pruned_indices_offsets=torch.tensor([0, 2, 5]),
+        logical_table_ids=torch.tensor([2, 1], dtype=torch.int32), buffer_ids=torch.tensor([0, 1], dtype=torch.int32))
+    expected = {2: [1, 3], 1: [0, 5, 2]}
+    weights, states = tbe.split_embedding_weights(), tbe.split_optimizer_states()
+    old_w = [before["weights"][o : o + r * d].view(r, d) for o, r, d in
+             zip(tbe.spec.plan.weights_offsets, tbe.spec.plan.rows, tbe.spec.plan.dims)]
+    for t in range(3):
+        reset = expected.get(t, [])
+        keep = [r for r in range(tbe.spec.plan.rows[t]) if r not in reset]
+        assert torch.equal(weights[t][reset], torch.zeros(len(reset), tbe.spec.plan.dims[t]))
+        assert torch.equal(states[t][0][reset], torch.zeros(len(reset)))
+        assert torch.equal(weights[t][keep], old_w[t][keep])
+        off = tbe.spec.plan.row_offsets[t]
+        assert torch.equal(states[t][0][keep], before["momentum1"][off : off + tbe.spec.plan.rows[t]][keep])
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.ADAM],
+                         ids=lambda o: o.name)
+def test_reset_embedding_weight_momentum_is_fbgemms_no_op_for_other_optimizers(optimizer):
+    tbe = _module_with_state(optimizer)
+    before = _snapshot(tbe)
+    tbe.reset_embedding_weight_momentum(torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([0], dtype=torch.int32),
+                                        torch.tensor([0], dtype=torch.int32))
+    assert all(torch.equal(getattr(tbe, k), v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("pruned,offsets,tables,buffers,match", [
+    ([1, 6], [0, 2], [1], [0], r"table 1 has 6 rows"),   # row 6 of a 6-row table
+    ([-1], [0, 1], [0], [0], r"table 0 has 10 rows"),
+    ([1], [0, 1], [3], [0], r"logical table 3 of 3"),
+    ([1], [0, 1], [0], [1], r"buffer 1 with 2 pruned_indices_offsets"),
+    ([1], [0, 1], [0, 1], [0], r"2 logical_table_ids but 1 buffer_ids"),
+])
+def test_reset_embedding_weight_momentum_rejects_bad_ids_before_writing(pruned, offsets, tables, buffers, match):
+    tbe = _module_with_state(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    before = _snapshot(tbe)
+    # A valid entry first: nothing may be written when a later one is bad.
+    tables_t = torch.tensor([0] + tables, dtype=torch.int32) if len(tables) == len(buffers) else torch.tensor(tables)
+    buffers_t = torch.tensor([0] + buffers, dtype=torch.int32) if len(tables) == len(buffers) else torch.tensor(buffers)
+    with pytest.raises((IndexError, ValueError), match=match):
+        tbe.reset_embedding_weight_momentum(torch.tensor(pruned), torch.tensor(offsets), tables_t, buffers_t)
+    assert all(torch.equal(getattr(tbe, k), v) for k, v in before.items())

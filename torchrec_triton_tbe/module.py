@@ -379,6 +379,52 @@ class TritonTBE(nn.Module):
         keys = self._spec.optimizer.state_keys
         return [dict(zip(keys, states)) for states in self.split_optimizer_states()]
 
+    @torch.no_grad()
+    def reset_embedding_weight_momentum(
+        self,
+        pruned_indices: torch.Tensor,
+        pruned_indices_offsets: torch.Tensor,
+        logical_table_ids: torch.Tensor,
+        buffer_ids: torch.Tensor,
+    ) -> None:
+        """FBGEMM's reset of pruned (evicted) rows, called by TorchRec's managed-collision eviction, which
+        then re-initialises the rows' weights with the table's init_fn. Entry ``i`` names table
+        ``logical_table_ids[i]`` and the rows ``pruned_indices[pruned_indices_offsets[b]:
+        pruned_indices_offsets[b + 1]]``, ``b = buffer_ids[i]`` (row ids local to that table). As in FBGEMM
+        1.6.0 / 1.9.0: with EXACT_ROWWISE_ADAGRAD those rows' weights and row-wise state are set to zero;
+        with any other optimizer nothing changes (FBGEMM's reset runs for row-wise Adagrad only, so other
+        optimizers' evicted rows keep their state there too). Out-of-range tables or rows raise before
+        anything is written. Reads the (small) id and offset tensors on the host: eviction is not on the
+        training step's sync-free path."""
+        if self.optimizer != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            return
+        plan = self._spec.plan
+        tables = logical_table_ids.tolist()
+        buffers = buffer_ids.tolist()
+        offsets = pruned_indices_offsets.tolist()
+        if len(tables) != len(buffers):
+            raise ValueError(f"reset_embedding_weight_momentum: {len(tables)} logical_table_ids but "
+                             f"{len(buffers)} buffer_ids")
+        resets = []
+        for table, buffer in zip(tables, buffers):
+            if not 0 <= table < len(plan.rows):
+                raise IndexError(f"reset_embedding_weight_momentum: logical table {table} of {len(plan.rows)}")
+            if not 0 <= buffer < len(offsets) - 1:
+                raise IndexError(f"reset_embedding_weight_momentum: buffer {buffer} with "
+                                 f"{len(offsets)} pruned_indices_offsets")
+            rows = pruned_indices[offsets[buffer] : offsets[buffer + 1]].to(self.current_device, torch.int64)
+            if rows.numel() and not bool(((rows >= 0) & (rows < plan.rows[table])).all()):
+                raise IndexError(f"reset_embedding_weight_momentum: table {table}{self._named(table)} "
+                                 f"has {plan.rows[table]} rows; pruned rows {rows.tolist()[:8]} ...")
+            resets.append((table, rows))
+        weights = self.split_embedding_weights()
+        for table, rows in resets:
+            weights[table][rows] = 0
+            self.momentum1[plan.row_offsets[table] + rows] = 0
+
+    def _named(self, table: int) -> str:
+        return f" ({self.table_names[table]})" if self.table_names else ""
+
     def get_optimizer_buffer(self, state: str) -> torch.Tensor:
         # FBGEMM's buffers are named <state>_dev (momentum1_dev); ours <state>.
         name = state[: -len("_dev")] if state.endswith("_dev") else state

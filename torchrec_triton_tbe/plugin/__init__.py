@@ -15,6 +15,7 @@ from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
 from torchrec_triton_tbe.plugin.sharder import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEFeatureProcessedSharder,
+    TritonTBEManagedCollisionSharder,
     TritonTBEParameterSharding,
     TritonTBESharder,
     TritonTBEShardedEmbeddingBagCollection,
@@ -34,6 +35,7 @@ __all__ = [
     "TritonTBEEmbeddingBag",
     "TritonTBEEmbeddingCollectionSharder",
     "TritonTBEFeatureProcessedSharder",
+    "TritonTBEManagedCollisionSharder",
     "TritonTBEOptions",
     "TritonTBEParameterSharding",
     "TritonTBESharder",

@@ -8,8 +8,9 @@ rewriting for A/B runs against ``fused``, and the planner set-up.
 * ``TritonTBESharder`` / ``TritonTBEEmbeddingCollectionSharder``: TorchRec's ``EmbeddingBagCollection`` /
   ``EmbeddingCollection`` sharders that offer ``customized_kernel`` to the planner, upgrade the planner's
   plain ``ParameterSharding`` entries to ours, and build a sharded collection whose state_dict holds
-  ShardedTensors for our tables as for ``fused`` ones. ``TritonTBEFeatureProcessedSharder``: TorchRec's
-  ``FeatureProcessedEmbeddingBagCollection`` sharder with a ``TritonTBESharder`` inside.
+  ShardedTensors for our tables as for ``fused`` ones. ``TritonTBEFeatureProcessedSharder`` /
+  ``TritonTBEManagedCollisionSharder``: TorchRec's ``FeatureProcessedEmbeddingBagCollection`` /
+  ``ManagedCollisionEmbeddingBagCollection`` sharders with a ``TritonTBESharder`` inside.
 * Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
   raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
   tables whose ``ParameterConstraints.compute_kernels`` ask for it.
@@ -26,6 +27,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import enumerators as _enumerators
 from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
@@ -354,6 +356,37 @@ class TritonTBEFeatureProcessedSharder(FeatureProcessedEmbeddingBagCollectionSha
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
         return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+class TritonTBEManagedCollisionSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """Shards ``ManagedCollisionEmbeddingBagCollection``s (zero-collision hashing: raw ids remapped to
+    table rows, evicted rows reset and re-initialised): TorchRec's own sharder around a
+    ``TritonTBESharder``, so the inner tables planned with ``customized_kernel`` run on our kernel and
+    TorchRec's eviction reaches ``TritonTBE.reset_embedding_weight_momentum`` (FBGEMM's reset). Plus
+    ``customized_kernel`` offered to the planner (TorchRec's class offers FBGEMM's kernels only)."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+        mc_sharder: Optional[Any] = None,
+    ) -> None:
+        super().__init__(
+            ebc_sharder=TritonTBESharder(fused_params, qcomm_codecs_registry, options=options),
+            mc_sharder=mc_sharder,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    @property
+    def options(self) -> TritonTBEOptions:
+        return self._e_sharder.options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if CUSTOMIZED in self._e_sharder.compute_kernels(sharding_type, compute_device_type):
+            kernels.append(CUSTOMIZED)
+        return kernels
 
 
 def _require(module: nn.Module, kind: type, other: str) -> None:
