@@ -77,3 +77,18 @@ def test_demo_on_production_shaped_tables(tmp_path, capsys):
     assert rc == 0, out
     assert "tables=3 shape=prod_tiny" in out and "dims 4..12" in out and "B=4" in out, out
     assert "loop=TrainPipelineSparseDist" in out and "MATCH" in out and "MISMATCH" not in out, out
+
+
+def test_demo_in_train_pipeline_base_matches(capsys):
+    """--loop base: TorchRec's TrainPipelineBase (batch copy overlapped, no pipelined input dist)."""
+    rc = torchrec_demo.main(SMALL + ["--loop", "base", "--sharding", "table_wise"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "loop=TrainPipelineBase" in out and "MATCH" in out and "MISMATCH" not in out, out
+
+
+def test_demo_semi_sync_needs_a_gpu():
+    import pytest
+
+    with pytest.raises(SystemExit, match="TrainPipelineSemiSync needs CUDA streams"):
+        torchrec_demo.main(SMALL + ["--loop", "semi-sync"])

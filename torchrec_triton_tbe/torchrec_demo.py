@@ -53,7 +53,14 @@ from torchrec_triton_tbe.plugin import (
 
 # "mixed": the four types in turn over the tables; "planner": TorchRec's EmbeddingShardingPlanner picks.
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "mixed", "planner")
-LOOPS = ("pipeline", "plain")
+LOOPS = ("pipeline", "semi-sync", "base", "plain")
+# The TorchRec train pipelines the demo can train in (every loop but "plain"), by --loop name.
+PIPELINES = {
+    "pipeline": "TrainPipelineSparseDist",
+    # start_batch=0: semi-synchronous from the first batch (TorchRec's default waits 900 batches).
+    "semi-sync": "TrainPipelineSemiSync",
+    "base": "TrainPipelineBase",
+}
 
 
 
@@ -109,7 +116,9 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
                     help="multiply every --shape table's rows by this (at least 1 row), to fit a small machine")
     ap.add_argument("--loop", choices=LOOPS, default=None,
                     help="pipeline: TorchRec's TrainPipelineSparseDist (the default; plain with --sequence, whose "
-                         "second KJT TorchRec's Batch does not carry); plain: forward, backward, step")
+                         "second KJT TorchRec's Batch does not carry); semi-sync: TrainPipelineSemiSync (each "
+                         "batch's embeddings from weights one update older); base: TrainPipelineBase (copy "
+                         "overlap only); plain: forward, backward, step")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -468,9 +477,19 @@ def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
     return loss.item(), (time.perf_counter() - t0) * 1e3
 
 
+def _pipeline(loop: str, model, optimizer, device: torch.device):
+    # train_pipelines.py defines all three in TorchRec 1.6.1 and 1.9.2 (the package exports only some).
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    cls = getattr(train_pipelines, PIPELINES[loop])
+    if loop == "semi-sync":
+        return cls(model, optimizer, device, start_batch=0)
+    return cls(model, optimizer, device)
+
+
 def _pipeline_step(pipeline, it, setup: Setup) -> tuple[float, float]:
-    """One TrainPipelineSparseDist.progress: this batch's forward, backward and optimizer step, with the
-    next batch's copy and input distribution started (the loop TorchRec users run)."""
+    """One pipeline progress(): this batch's forward, backward and optimizer step, with the next batch's
+    copy (and, but for TrainPipelineBase, its input distribution) started (the loop TorchRec users run)."""
     if setup.gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -516,9 +535,14 @@ def _run(args, setup: Setup) -> int:
     options = TritonTBEOptions(
         index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check
     )
-    if args.loop == "pipeline" and tables.sequence:
-        raise SystemExit("--loop pipeline with --sequence: TorchRec's Batch carries one KJT; use --loop plain")
-    pipeline = (args.loop or ("plain" if tables.sequence else "pipeline")) == "pipeline"
+    loop = args.loop or ("plain" if tables.sequence else "pipeline")
+    if loop != "plain" and tables.sequence:
+        raise SystemExit(f"--loop {loop} with --sequence: TorchRec's Batch carries one KJT; use --loop plain")
+    if loop == "semi-sync" and not setup.gpu:
+        # TorchRec's own fill_pipeline calls record_stream on the batch, which CPU tensors refuse ("unknown
+        # parameter type"), with fused as with ours.
+        raise SystemExit("--loop semi-sync: TorchRec's TrainPipelineSemiSync needs CUDA streams; run it on a GPU")
+    pipeline = loop != "plain"
     sharders = [TritonTBESharder(fused_params=fused_params), TritonTBEEmbeddingCollectionSharder(fused_params=fused_params)]
     plan = _plan(_model(tables, setup, dense_in, pipeline), tables, args.sharding, setup, pipeline)
 
@@ -543,7 +567,7 @@ def _run(args, setup: Setup) -> int:
     pooling = ",".join(t.pooling.name for t in tables.bags)
     print = setup.print  # noqa: A001  (rank 0 prints; every rank computes)
     print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}, "
-          f"world_size={setup.world_size}, loop={'TrainPipelineSparseDist' if pipeline else 'plain'}")
+          f"world_size={setup.world_size}, loop={PIPELINES.get(loop, 'plain')}")
     if tables.mixed_dims:
         dims = sorted({t.embedding_dim for t in tables.bags})
         sizes = (f"shape={args.shape} (suite {args.suite}, rows x{args.rows_scale:g}): rows "
@@ -569,9 +593,7 @@ def _run(args, setup: Setup) -> int:
     worst = 0.0
     # disable=None: the bar shows on a terminal and stays out of piped logs.
     if pipeline:
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-        pipes = [TrainPipelineSparseDist(m, o, setup.device) for m, o in ((fused, fused_opt), (ours, our_opt))]
+        pipes = [_pipeline(loop, m, o, setup.device) for m, o in ((fused, fused_opt), (ours, our_opt))]
         iters = [iter(_pipeline_batches(batches)) for _ in pipes]
         steps = [lambda k=k: _pipeline_step(pipes[k], iters[k], setup) for k in range(2)]
     else:

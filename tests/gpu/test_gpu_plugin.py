@@ -50,6 +50,15 @@ def test_sequence_and_vbe_demo_match_fused(mode, optimizer, sharding):
     assert torchrec_demo.main(argv) == 0
 
 
+@pytest.mark.parametrize("loop", ["semi-sync", "base"])
+def test_demo_in_other_train_pipelines_matches_fused(loop):
+    """TorchRec's TrainPipelineSemiSync (from the first batch: each batch looks up weights one update
+    older, with fused as with ours; CUDA only in TorchRec) and TrainPipelineBase. Not yet run."""
+    argv = ["--loop", loop, "--sharding", "mixed", "--steps", "6", "--batch-size", "2048", "--num-embeddings", "50000",
+            "--embedding-dim", "64", "--learning-rate", "0.01"]
+    assert torchrec_demo.main(argv) == 0
+
+
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "mixed"])
 def test_demo_in_the_train_pipeline_matches_fused(sharding):
     """The demo's default loop, TorchRec's TrainPipelineSparseDist (the plain loop above is what the
