@@ -15,6 +15,7 @@ from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
 from torchrec_triton_tbe.plugin.sharder import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEFeatureProcessedSharder,
+    TritonTBEManagedCollisionEmbeddingCollectionSharder,
     TritonTBEManagedCollisionSharder,
     TritonTBEParameterSharding,
     TritonTBESharder,
@@ -35,6 +36,7 @@ __all__ = [
     "TritonTBEEmbeddingBag",
     "TritonTBEEmbeddingCollectionSharder",
     "TritonTBEFeatureProcessedSharder",
+    "TritonTBEManagedCollisionEmbeddingCollectionSharder",
     "TritonTBEManagedCollisionSharder",
     "TritonTBEOptions",
     "TritonTBEParameterSharding",

@@ -8,9 +8,10 @@ rewriting for A/B runs against ``fused``, and the planner set-up.
 * ``TritonTBESharder`` / ``TritonTBEEmbeddingCollectionSharder``: TorchRec's ``EmbeddingBagCollection`` /
   ``EmbeddingCollection`` sharders that offer ``customized_kernel`` to the planner, upgrade the planner's
   plain ``ParameterSharding`` entries to ours, and build a sharded collection whose state_dict holds
-  ShardedTensors for our tables as for ``fused`` ones. ``TritonTBEFeatureProcessedSharder`` /
-  ``TritonTBEManagedCollisionSharder``: TorchRec's ``FeatureProcessedEmbeddingBagCollection`` /
-  ``ManagedCollisionEmbeddingBagCollection`` sharders with a ``TritonTBESharder`` inside.
+  ShardedTensors for our tables as for ``fused`` ones. ``TritonTBEFeatureProcessedSharder``,
+  ``TritonTBEManagedCollisionSharder``, ``TritonTBEManagedCollisionEmbeddingCollectionSharder``: TorchRec's
+  ``FeatureProcessedEmbeddingBagCollection``, ``ManagedCollisionEmbeddingBagCollection`` and
+  ``ManagedCollisionEmbeddingCollection`` sharders with ours inside.
 * Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
   raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
   tables whose ``ParameterConstraints.compute_kernels`` ask for it.
@@ -27,6 +28,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.planner import enumerators as _enumerators
 from torchrec.distributed.planner.constants import DDR_MEM_BW, HBM_MEM_BW
@@ -358,12 +360,27 @@ class TritonTBEFeatureProcessedSharder(FeatureProcessedEmbeddingBagCollectionSha
         return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
 
 
-class TritonTBEManagedCollisionSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+class _ManagedCollisionOurs:
+    """What both managed-collision sharders add to TorchRec's: our sharder for the inner collection
+    (``_e_sharder``) and ``customized_kernel`` offered to the planner, which TorchRec's classes leave out
+    (they list FBGEMM's kernels only)."""
+
+    @property
+    def options(self) -> TritonTBEOptions:
+        return self._e_sharder.options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
+        if CUSTOMIZED in self._e_sharder.compute_kernels(sharding_type, compute_device_type):
+            kernels.append(CUSTOMIZED)
+        return kernels
+
+
+class TritonTBEManagedCollisionSharder(_ManagedCollisionOurs, ManagedCollisionEmbeddingBagCollectionSharder):
     """Shards ``ManagedCollisionEmbeddingBagCollection``s (zero-collision hashing: raw ids remapped to
     table rows, evicted rows reset and re-initialised): TorchRec's own sharder around a
     ``TritonTBESharder``, so the inner tables planned with ``customized_kernel`` run on our kernel and
-    TorchRec's eviction reaches ``TritonTBE.reset_embedding_weight_momentum`` (FBGEMM's reset). Plus
-    ``customized_kernel`` offered to the planner (TorchRec's class offers FBGEMM's kernels only)."""
+    TorchRec's eviction reaches ``TritonTBE.reset_embedding_weight_momentum`` (FBGEMM's reset)."""
 
     def __init__(
         self,
@@ -378,15 +395,25 @@ class TritonTBEManagedCollisionSharder(ManagedCollisionEmbeddingBagCollectionSha
             qcomm_codecs_registry=qcomm_codecs_registry,
         )
 
-    @property
-    def options(self) -> TritonTBEOptions:
-        return self._e_sharder.options
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
-        kernels = list(super().compute_kernels(sharding_type, compute_device_type))
-        if CUSTOMIZED in self._e_sharder.compute_kernels(sharding_type, compute_device_type):
-            kernels.append(CUSTOMIZED)
-        return kernels
+class TritonTBEManagedCollisionEmbeddingCollectionSharder(
+    _ManagedCollisionOurs, ManagedCollisionEmbeddingCollectionSharder
+):
+    """The same for ``ManagedCollisionEmbeddingCollection``s (sequence tables behind zero-collision
+    hashing), around a ``TritonTBEEmbeddingCollectionSharder``."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+        mc_sharder: Optional[Any] = None,
+    ) -> None:
+        super().__init__(
+            ec_sharder=TritonTBEEmbeddingCollectionSharder(fused_params, qcomm_codecs_registry, options=options),
+            mc_sharder=mc_sharder,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
 
 
 def _require(module: nn.Module, kind: type, other: str) -> None:
