@@ -23,6 +23,8 @@
 #               default for rows carrying 4+ bytes per element), on two shapes
 #   sanitizer   tests/gpu/test_gpu_sanitizer.py: tools/sanitize_cases.py under compute-sanitizer's memcheck,
 #               racecheck, synccheck and initcheck (logs and summary.txt in $OUT/sanitizer)
+#   initcheck-probe  initcheck on a PyTorch-only CUDA graph that sorts 2,816 and 8,192 keys (is the open
+#               initcheck finding of docs/reliability.md the tool's view of graph copy nodes?)
 #   reliability tests/gpu/test_gpu_reliability.py: determinism across runs and schedules, extremes
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
@@ -115,6 +117,15 @@ PY
     sanitizer) SANITIZER_LOG_DIR="$OUT/sanitizer" timeout ${SANITIZER_TIMEOUT:-540} python -m pytest -q \
       -p no:cacheprovider tests/gpu/test_gpu_sanitizer.py 2>&1 | tee "$OUT/tests_sanitizer.txt" | tail -6
       cat "$OUT/sanitizer/summary.txt" ;;
+    initcheck-probe)
+      # PyTorch alone (tools/sanitize_cases.py probe_graph_sort): 2,816 keys take torch.sort's small-sort
+      # path, whose first step copies them (the open finding's 22,528-byte copy); 8,192 keys do not.
+      for n in 2816 8192; do
+        timeout 120 "${SANITIZER:-compute-sanitizer}" --tool initcheck --print-limit 0 --show-backtrace no \
+          python tools/sanitize_cases.py --probe-graph-sort $n > "$OUT/initcheck_probe_$n.txt" 2>&1
+        echo "n=$n rc=$? $(grep -c 'Uninitialized' "$OUT/initcheck_probe_$n.txt") reports:" \
+          "$(grep -m1 'ERROR SUMMARY' "$OUT/initcheck_probe_$n.txt")"
+      done ;;
     reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;
     peers)
