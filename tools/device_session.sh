@@ -11,6 +11,8 @@
 #   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
 #   demo-prod   the same on production-shaped tables (DEMO_SHAPES, default prod_t40_b16k,prod_t100_b2k: the suite
 #               shapes' per-table rows, dims, bag sizes; the concatenating model)
+#   first-step  cold and warm first step of a production-shaped model (FIRST_STEP_SHAPE), fused vs ours, and
+#               tools/first_step.py: the step's specializations and their compile time on 1, 4, 16 processes
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
@@ -60,6 +62,16 @@ for step in "$@"; do
         timeout 280 python tools/demo_profile.py --shape "$shape" --steps 20 --json "$OUT/demo_profile_$shape.json" \
           2>&1 | quiet | tail -8
       done ;;
+    first-step)
+      # Cold (empty Triton cache) and warm first steps of a production-shaped TorchRec model, fused vs ours
+      # (the demo's step-0 row), then where the cold compile time goes on this host's CPUs.
+      cache=$(mktemp -d)
+      for kind in cold warm; do
+        echo "$kind:"; TRITON_CACHE_DIR=$cache timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
+          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain 2>&1 | quiet | grep -E "^ +0 |MATCH"
+      done
+      TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
+        --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4 ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;
