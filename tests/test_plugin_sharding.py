@@ -10,7 +10,7 @@ import torch
 
 import plugin_cases as pc
 from plugin_cases import BoundsCheckMode, Case, EmbOptimType, TritonTBEOptions as Options, Variant
-from torchrec_triton_tbe.plugin import sharding as routing, use_triton_tbe
+from torchrec_triton_tbe.plugin import TritonTBESharder, sharding as routing, use_fused, use_triton_tbe
 
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
@@ -161,3 +161,38 @@ def test_sequence_tables_route_to_our_kernel_through_torchrecs_own_sharder(one_r
     )
     kernels = [k for lookup in dmp.module[0]._lookups for k in pc._unwrap(lookup)._emb_modules]
     assert kernels and all(type(k) is TritonTBEEmbedding for k in kernels)
+
+def _output_dtype_and_eval(rank: int, world_size: int) -> None:
+    """fused_params output_dtype=FP16 (TorchRec's half-precision pooled outputs) trains like fused, and an
+    eval-mode forward under no_grad (no backward, no update) returns fused's outputs."""
+    from torchrec_triton_tbe._fbgemm import SparseType
+
+    plan = pc.base_plan("row_wise", world_size)
+    sharder = TritonTBESharder(fused_params=pc.fused_params(EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                                            output_dtype=SparseType.FP16))
+    results = []
+    for kernel_plan in (use_fused(plan), use_triton_tbe(plan)):
+        dmp = pc.make_dmp(kernel_plan, sharder)
+        losses = pc.train(dmp, 2, rank)
+        before = {k: pc.local(v).clone() for k, v in dmp.state_dict().items()}
+        dmp.eval()
+        with torch.no_grad():
+            evaluated = dmp(pc.batch(pc.TABLES, 9, rank))
+        after = {k: pc.local(v) for k, v in dmp.state_dict().items()}
+        assert all(torch.equal(before[k], after[k]) for k in before), "an eval forward changed the weights"
+        results.append((losses, evaluated.float(), dmp))
+    (fl, fe, fused), (ol, oe, ours) = results
+    pc.assert_routed(ours, expect_ours=True)
+    for k in pc.kernels(ours):
+        assert k.emb_module.output_dtype == torch.float16
+    pc.assert_close(torch.tensor(ol), torch.tensor(fl), "fp16-output losses", *pc.TOLERANCE[pc.DataType.FP16])
+    pc.assert_close(oe, fe, "eval outputs", *pc.TOLERANCE[pc.DataType.FP16])
+    pc.assert_same_state(ours, fused, "fp16 output", *pc.TOLERANCE[pc.DataType.FP16])
+
+
+def test_fp16_outputs_and_eval_forward_match_fused(one_rank):
+    _output_dtype_and_eval(0, 1)
+
+
+def test_fp16_outputs_and_eval_forward_two_ranks():
+    pc.spawn(_output_dtype_and_eval, 2)
