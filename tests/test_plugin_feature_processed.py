@@ -19,7 +19,7 @@ from torchrec_triton_tbe.plugin import TritonTBEEmbeddingBag, TritonTBEFeaturePr
 
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -31,11 +31,6 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 TABLES = tuple(dataclasses.replace(t, pooling=PoolingType.SUM) for t in pc.TABLES)
 FEATURES = [f for t in TABLES for f in t.feature_names]
 MAX_LENGTH = 4  # plugin_cases.batch draws up to 3 ids per bag
-PLANS = {
-    "table_wise": lambda ws: {"t0": table_wise(rank=0), "t1": table_wise(rank=ws - 1), "t2": table_wise(rank=0)},
-    "row_wise": lambda ws: {t.name: row_wise() for t in TABLES},
-    "column_wise": lambda ws: {t.name: column_wise(ranks=[0, ws - 1]) for t in TABLES},
-}
 
 
 class FPModel(nn.Module):
@@ -83,7 +78,7 @@ def _position_weights(dmp):
 
 def run_ab(sharding: str, optimizer: EmbOptimType, rank: int = 0, world_size: int = 1) -> None:
     sharder = TritonTBEFeatureProcessedSharder(fused_params=pc.fused_params(optimizer))
-    plan = construct_module_sharding_plan(FPModel().fp, PLANS[sharding](world_size), sharder=sharder,
+    plan = construct_module_sharding_plan(FPModel().fp, pc.GENERATORS[sharding](world_size), sharder=sharder,
                                           local_size=world_size, world_size=world_size, device_type="cpu")
     fused_losses, fused = _train(use_fused(plan), sharder, rank)
     our_losses, ours = _train(use_triton_tbe(plan), sharder, rank)

@@ -362,8 +362,22 @@ class TritonTBEFeatureProcessedSharder(FeatureProcessedEmbeddingBagCollectionSha
 
 class _ManagedCollisionOurs:
     """What both managed-collision sharders add to TorchRec's: our sharder for the inner collection
-    (``_e_sharder``) and ``customized_kernel`` offered to the planner, which TorchRec's classes leave out
-    (they list FBGEMM's kernels only)."""
+    (``_inner``, passed as TorchRec's ``_inner_keyword``) and ``customized_kernel`` offered to the
+    planner, which TorchRec's classes leave out (they list FBGEMM's kernels only)."""
+
+    _inner: type
+    _inner_keyword: str
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+        mc_sharder: Optional[Any] = None,
+    ) -> None:
+        inner = self._inner(fused_params, qcomm_codecs_registry, options=options)
+        super().__init__(**{self._inner_keyword: inner}, mc_sharder=mc_sharder,
+                         qcomm_codecs_registry=qcomm_codecs_registry)
 
     @property
     def options(self) -> TritonTBEOptions:
@@ -380,20 +394,11 @@ class TritonTBEManagedCollisionSharder(_ManagedCollisionOurs, ManagedCollisionEm
     """Shards ``ManagedCollisionEmbeddingBagCollection``s (zero-collision hashing: raw ids remapped to
     table rows, evicted rows reset and re-initialised): TorchRec's own sharder around a
     ``TritonTBESharder``, so the inner tables planned with ``customized_kernel`` run on our kernel and
-    TorchRec's eviction reaches ``TritonTBE.reset_embedding_weight_momentum`` (FBGEMM's reset)."""
+    TorchRec's eviction reaches ``TritonTBE.reset_embedding_weight_momentum`` (FBGEMM's reset).
+    Arguments: ``fused_params``, ``qcomm_codecs_registry``, ``options`` (ours), ``mc_sharder`` (TorchRec's)."""
 
-    def __init__(
-        self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
-        options: TritonTBEOptions = TritonTBEOptions(),
-        mc_sharder: Optional[Any] = None,
-    ) -> None:
-        super().__init__(
-            ebc_sharder=TritonTBESharder(fused_params, qcomm_codecs_registry, options=options),
-            mc_sharder=mc_sharder,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
+    _inner = TritonTBESharder
+    _inner_keyword = "ebc_sharder"
 
 
 class TritonTBEManagedCollisionEmbeddingCollectionSharder(
@@ -402,18 +407,8 @@ class TritonTBEManagedCollisionEmbeddingCollectionSharder(
     """The same for ``ManagedCollisionEmbeddingCollection``s (sequence tables behind zero-collision
     hashing), around a ``TritonTBEEmbeddingCollectionSharder``."""
 
-    def __init__(
-        self,
-        fused_params: Optional[Dict[str, Any]] = None,
-        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
-        options: TritonTBEOptions = TritonTBEOptions(),
-        mc_sharder: Optional[Any] = None,
-    ) -> None:
-        super().__init__(
-            ec_sharder=TritonTBEEmbeddingCollectionSharder(fused_params, qcomm_codecs_registry, options=options),
-            mc_sharder=mc_sharder,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
+    _inner = TritonTBEEmbeddingCollectionSharder
+    _inner_keyword = "ec_sharder"
 
 
 def _require(module: nn.Module, kind: type, other: str) -> None:
