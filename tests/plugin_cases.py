@@ -530,19 +530,45 @@ def cpu_dmp_collection() -> type:
     return CpuDMPCollection
 
 
-def replica_mean(dmp, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` averaged over this rank's replica group (a collective on it)."""
-    group = dmp._default_ctx.replica_pg
+def replica_mean(group, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` averaged over the replica process group ``group`` (a collective on it)."""
     total = tensor.detach().double().clone()
     dist.all_reduce(total, group=group)
     return total / dist.get_world_size(group)
 
 
-def replicas_equal(dmp, tensor: torch.Tensor) -> bool:
-    group = dmp._default_ctx.replica_pg
+def replicas_equal(group, tensor: torch.Tensor) -> bool:
     everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, tensor.detach().contiguous(), group=group)
     return all(torch.equal(everyone[0], t) for t in everyone[1:])
+
+
+def gloo_average(group, tensors: List[torch.Tensor]) -> None:
+    """DMPCollection's all-reduce hook (``set_all_reduce_hook``: the context's replica group and its
+    tensors) for gloo, which has no ``ReduceOp.AVG`` (NCCL's default path uses it): sum, then divide."""
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t.div_(dist.get_world_size(group))
+
+
+def sync_and_check(dmp, groups: Dict[str, object], what: str) -> None:
+    """``dmp.sync()``, checked per collection (``groups``: collection attribute -> its replica group):
+    the replicas' kernel tensors differed before it (else the check shows nothing), and after it they
+    are equal and equal their mean from before it."""
+    means, differed = {}, []
+    for collection, group in groups.items():
+        for name, t in kernel_tensors(dmp, collection).items():
+            means[collection, name] = replica_mean(group, t)
+            if not replicas_equal(group, t):
+                differed.append((collection, name))
+    for collection in groups:
+        assert any(c == collection for c, _ in differed), \
+            f"{what}: {collection}'s replicas agreed before sync(): the test shows nothing"
+    dmp.sync()
+    for collection, group in groups.items():
+        for name, t in kernel_tensors(dmp, collection).items():
+            assert replicas_equal(group, t), f"{what}: {collection} {name} differs across replicas after sync()"
+            assert_close(t, means[collection, name].to(t.dtype), f"{what}: {collection} {name} vs the replica mean")
 
 
 def kernel_tensors(dmp, collection: str = "ebc") -> Dict[str, torch.Tensor]:
@@ -575,26 +601,14 @@ def two_d_train(rank: int, world_size: int, sharding: str, group_size: int, kern
         model, tables, init = SeqModel(), SEQ_TABLES, seq_initial_state()
         sharder_type = TritonTBEEmbeddingCollectionSharder
         fused_plan, our_plan = seq_plans(sharding, group_size)
-    replica_group = [None]
-
-    def average(tensors: List[torch.Tensor]) -> None:
-        # gloo has no ReduceOp.AVG (NCCL's default path uses it): DMPCollection's custom_all_reduce hook.
-        for t in tensors:
-            dist.all_reduce(t, group=replica_group[0])
-            t.div_(dist.get_world_size(replica_group[0]))
-
-    if device == "cpu":
-        dmp_class, hook = cpu_dmp_collection(), {"custom_all_reduce": average}
-    else:
-        from torchrec.distributed.model_parallel import DMPCollection as dmp_class
-
-        hook = {}
+    dmp_class = cpu_dmp_collection() if device == "cpu" else _torchrec_dmp_collection()
     dmp = dmp_class(
         model, device=torch.device(device), plan=ShardingPlan({collection: our_plan if kernel == "triton" else fused_plan}),
         world_size=world_size, sharding_group_size=group_size, global_pg=dist.group.WORLD,
-        sharders=[sharder_type(fused_params=fused_params(optimizer))], **hook,
+        sharders=[sharder_type(fused_params=fused_params(optimizer))],
     )
-    replica_group[0] = dmp._default_ctx.replica_pg
+    if device == "cpu":
+        dmp.set_all_reduce_hook(gloo_average)
     assert_routed(dmp, expect_ours=kernel == "triton", collection=collection)
     result = dmp.load_state_dict(init, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -604,16 +618,15 @@ def two_d_train(rank: int, world_size: int, sharding: str, group_size: int, kern
         loss = loss_fn(dmp(kjt), step)
         loss.backward()
         dmp.fused_optimizer.step()
-        before = {name: t.detach().clone() for name, t in kernel_tensors(dmp, collection).items()}
-        means = {name: replica_mean(dmp, t) for name, t in before.items()}
-        differed = [name for name, t in before.items() if not replicas_equal(dmp, t)]
-        assert differed, f"{kernel} step {step}: the replicas agreed before sync(): the test shows nothing"
-        dmp.sync()
-        for name, t in kernel_tensors(dmp, collection).items():
-            assert replicas_equal(dmp, t), f"{kernel} step {step}: {name} differs across replicas after sync()"
-            assert_close(t, means[name].to(t.dtype), f"{kernel} step {step}: {name} after sync() vs the replica mean")
+        sync_and_check(dmp, {collection: dmp._default_ctx.replica_pg}, f"{kernel} step {step}")
         losses.append(loss.item())
     return losses, {name: t.detach().cpu().clone() for name, t in kernel_tensors(dmp, collection).items()}
+
+
+def _torchrec_dmp_collection() -> type:
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    return DMPCollection
 
 
 def two_d_ab(rank: int, world_size: int, sharding: str, group_size: int, optimizer: EmbOptimType,
@@ -626,3 +639,67 @@ def two_d_ab(rank: int, world_size: int, sharding: str, group_size: int, optimiz
     assert sorted(ours) == sorted(fused), (sorted(ours), sorted(fused))
     for name in fused:
         assert_close(ours[name], fused[name], f"{what}: {name}")
+
+
+class BothModel(nn.Module):
+    """The pooled and the sequence test tables side by side."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=list(TABLES), device=torch.device(device))
+        self.ec = EmbeddingCollection(tables=list(SEQ_TABLES), device=torch.device(device))
+
+    def forward(self, bags: KeyedJaggedTensor, sequences: KeyedJaggedTensor) -> tuple:
+        out = self.ec(sequences)
+        return self.ebc(bags).values(), torch.cat([out[f].values() for f in SEQ_FEATURES])
+
+
+def two_d_submodule_train(rank: int, world_size: int, kernel: str, steps: int = 2) -> tuple:
+    """DMPCollection with a submodule context: the EmbeddingBagCollection row-wise over sharding groups
+    of two ranks (its own DMPCollectionConfig: world_size / 2 replicas), the EmbeddingCollection in the
+    default context, table-wise on one-rank groups (world_size replicas). Each collection's tables must
+    sync on their own context's replica group (plugin/two_d.py groups ours as TorchRec groups FBGEMM's)."""
+    from torchrec.distributed.types import DMPCollectionConfig
+
+    optimizer = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    bag_plans, seq_plan_pair = Case(sharding="row_wise", optimizer=optimizer).plans(2), seq_plans("table_wise", 1)
+    pick = 1 if kernel == "triton" else 0
+    sharders = [TritonTBESharder(fused_params=fused_params(optimizer)),
+                TritonTBEEmbeddingCollectionSharder(fused_params=fused_params(optimizer))]
+    dmp = cpu_dmp_collection()(
+        BothModel(), device=torch.device("cpu"), plan=ShardingPlan({"ec": seq_plan_pair[pick]}),
+        world_size=world_size, sharding_group_size=1, global_pg=dist.group.WORLD, sharders=sharders,
+        submodule_configs=[DMPCollectionConfig(module=EmbeddingBagCollection,
+                                               plan=ShardingPlan({"ebc": bag_plans[pick]}), sharding_group_size=2)],
+    )
+    dmp.set_all_reduce_hook(gloo_average)
+    bag_ctx, seq_ctx = dmp._submodule_ctxs[0], dmp._default_ctx
+    assert dist.get_world_size(bag_ctx.replica_pg) == world_size // 2
+    assert dist.get_world_size(seq_ctx.replica_pg) == world_size
+    assert_routed(dmp, expect_ours=kernel == "triton", collection="ebc")
+    assert_routed(dmp, expect_ours=kernel == "triton", collection="ec")
+    if kernel == "triton":
+        ours = {id(k.emb_module): c for c in ("ebc", "ec") for k in kernels(dmp, c)}
+        assert {ours[id(m)] for m in bag_ctx.triton_tbe_modules} == {"ebc"}, "bag tables outside their context"
+        assert {ours[id(m)] for m in seq_ctx.triton_tbe_modules} == {"ec"}, "sequence tables outside their context"
+    result = dmp.load_state_dict({**reference_state(), **seq_initial_state()}, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    losses = []
+    for step in range(steps):
+        pooled, sequence = dmp(batch(TABLES, step, rank), batch(SEQ_TABLES, step, 10 + rank))
+        loss = loss_fn(pooled, step) + (sequence ** 2).mean()
+        loss.backward()
+        dmp.fused_optimizer.step()
+        sync_and_check(dmp, {"ebc": bag_ctx.replica_pg, "ec": seq_ctx.replica_pg}, f"{kernel} step {step}")
+        losses.append(loss.item())
+    tensors = {f"{c}/{name}": t.detach().clone() for c in ("ebc", "ec") for name, t in kernel_tensors(dmp, c).items()}
+    return losses, tensors
+
+
+def two_d_submodule_ab(rank: int, world_size: int) -> None:
+    fused_losses, fused = two_d_submodule_train(rank, world_size, "fused")
+    our_losses, ours = two_d_submodule_train(rank, world_size, "triton")
+    assert_close(torch.tensor(our_losses), torch.tensor(fused_losses), f"2D submodule contexts rank {rank}: losses")
+    assert sorted(ours) == sorted(fused), (sorted(ours), sorted(fused))
+    for name in fused:
+        assert_close(ours[name], fused[name], f"2D submodule contexts rank {rank}: {name}")

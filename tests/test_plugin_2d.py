@@ -67,3 +67,9 @@ def test_fully_sharded_strategy_is_refused_by_name():
 def test_sequence_collection_replicas_match_fused(sharding, world_size, group_size):
     """EmbeddingCollection (PoolingMode.NONE) tables on our kernel in 2D parallel."""
     pc.spawn(pc.two_d_ab, world_size, sharding, group_size, EmbOptimType.EXACT_ROWWISE_ADAGRAD, "ec")
+
+
+def test_submodule_context_syncs_its_tables_on_its_own_replica_group():
+    """4 ranks: the bags in a DMPCollectionConfig of their own (row-wise over two-rank groups, 2 replicas),
+    the sequence tables in the default context (one-rank groups, 4 replicas)."""
+    pc.spawn(pc.two_d_submodule_ab, 4)
