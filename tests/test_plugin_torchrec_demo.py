@@ -92,3 +92,32 @@ def test_demo_semi_sync_needs_a_gpu():
 
     with pytest.raises(SystemExit, match="TrainPipelineSemiSync needs CUDA streams"):
         torchrec_demo.main(SMALL + ["--loop", "semi-sync"])
+
+
+def _torchrun(target: list) -> str:
+    import os
+    import subprocess
+    import sys
+
+    # torchrun itself, as docs/torchrec.md has users launch it: its env:// rendezvous, LOCAL_RANK, etc.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
+           str(plugin_cases.free_port()), *target] + SMALL + ["--sharding", "mixed"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_torchrun_launches_one_two_rank_job():
+    out = _torchrun(["-m", "torchrec_triton_tbe.torchrec_demo"])
+    assert out.count("world_size=2") == 1 and "MATCH" in out and "MISMATCH" not in out, out
+
+
+def test_torchrun_launches_the_console_script():
+    import shutil
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("torchrec-triton-tbe-torchrec-demo") or str(Path(sys.executable).parent / "torchrec-triton-tbe-torchrec-demo")
+    assert Path(script).exists(), "the console script is not installed (pip install -e .)"
+    out = _torchrun([script])
+    assert out.count("world_size=2") == 1 and "MATCH" in out and "MISMATCH" not in out, out
