@@ -71,7 +71,10 @@ for step in "$@"; do
           --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain 2>&1 | quiet | grep -E "^ +0 |MATCH"
       done
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
-        --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4 ;;
+        --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4
+      # TritonTBE.precompile: a cold first step plain and precompiled, fresh processes and caches.
+      PRECOMPILE_LOG_DIR="$OUT/precompile" timeout 400 python -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_gpu_precompile.py 2>&1 | grep -E "passed|failed|Error|plain" | cut -c1-600 | tail -6 ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;

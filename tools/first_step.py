@@ -5,6 +5,8 @@ launches recorded, as torchrec_triton_tbe.aot does, and the specializations are 
 
     TRITON_INTERPRET=0 python tools/first_step.py --shape prod_t40_b16k [--optimizer exact_rowwise_adagrad]
         [--target 90] [--workers 1,2] [--rows-scale 0.01] [--json out.json]
+    TRITON_CACHE_DIR=$(mktemp -d) python tools/first_step.py --cold-step plain|precompiled [--workers 16] ...
+        (on a GPU: one process's first step, plain or after TritonTBE.precompile)
 
 Each compile runs against an empty Triton cache (a fresh TRITON_CACHE_DIR per pass), so the times are
 what a first step pays for compilation alone; loading the cubins and the step's own work come on top.
@@ -115,6 +117,51 @@ def _timed_pass(specs: list[dict], workers: int) -> dict:
             "by_kernel": {k: {"specializations": n, "seconds": round(s, 2)} for k, (n, s) in sorted(by_kernel.items())}}
 
 
+def _cold_step(shape: str, suite: str, optimizer: str, rows_scale: float, mode: str, workers) -> dict:
+    """On a GPU, in this fresh process (run it with an empty TRITON_CACHE_DIR): build the shape's module,
+    then time its first training step, with ``mode`` "precompiled" preceded by TritonTBE.precompile."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
+    from torchrec_triton_tbe.bench.batches import make_workload
+    from torchrec_triton_tbe.bench.case import load_suite
+    from torchrec_triton_tbe.module import TritonTBE
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    _, shapes = load_suite(suite, {})
+    case = [sh.case for sh in shapes if sh.case.name == shape][0]
+    np.random.seed(42)
+    dims = case.table_dims()
+    rows = [max(1, case.bag_size_at(k), round(case.num_embeddings_at(k) * rows_scale)) for k in range(case.num_tables)]
+    case = dataclasses.replace(case, num_embeddings_list=tuple(rows), num_embeddings=max(rows))
+    dev = torch.device("cuda")
+    request = make_workload(case, dev).requests[0]
+    idx_dtype = torch.int32 if case.indices_dtype == 32 else torch.int64
+    indices, offsets = request.indices.to(idx_dtype), request.offsets.to(idx_dtype)
+    torch.manual_seed(0)
+    module = TritonTBE(list(zip(rows, dims)), optimizer=EmbOptimType[optimizer.upper()], device=dev,
+                       weights_precision=SparseType[case.weights_precision.upper()], embedding_table_index_type=idx_dtype)
+    module.init_embedding_weights_uniform(-0.1, 0.1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    report = module.precompile(indices, offsets, request.per_sample_weights, workers=workers) if mode == "precompiled" else None
+    t1 = time.perf_counter()
+    cached = len(launch_ops._COMPILED)
+    out = module(indices, offsets, request.per_sample_weights)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"mode": mode, "shape": shape, "rows_scale": rows_scale, "lookups": int(indices.numel()),
+            "precompile_seconds": round(t1 - t0, 3), "step_seconds": round(t2 - t1, 3),
+            "first_step_total_seconds": round(t2 - t0, 3),
+            "compiled_during_step": len(launch_ops._COMPILED) - cached,
+            "precompile": None if report is None else dataclasses.asdict(report) | {"kernels": len(report.kernels)},
+            "weights_sum": float(module.weights.double().sum()), "step": int(module.iter)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="prod_t40_b16k")
@@ -125,7 +172,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-scale", type=float, default=1.0, help="multiply the tables' rows (memory only: the "
                     "specializations do not depend on row counts beyond their int32/int64 choice)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cold-step", choices=("plain", "precompiled"), default=None,
+                    help="on a GPU instead: time this process's first training step of the shape, plain or after "
+                         "TritonTBE.precompile (run each in a fresh process with an empty TRITON_CACHE_DIR)")
     args = ap.parse_args(argv)
+    if args.cold_step:
+        workers = int(args.workers.split(",")[-1])
+        result = _cold_step(args.shape, args.suite, args.optimizer, args.rows_scale, args.cold_step, workers)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        print(json.dumps(result))
+        return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("first_step: run with TRITON_INTERPRET=0 (kernels are compiled, not interpreted)", file=sys.stderr)
         return 2

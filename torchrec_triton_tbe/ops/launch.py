@@ -18,6 +18,8 @@ the constexprs and num_warps as given; the current device. Under Triton's interp
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,6 +37,38 @@ _INTERPRETED = _env.interpreting()
 # (id(kernel), device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
 # signature order after the positional arguments)
 _COMPILED: dict = {}
+
+
+# Set by ops/precompile.py while it drives a step without running it: launch() appends a Launch here
+# and launches nothing.
+_PENDING: Optional[list] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded launch: what ``launch`` was called with."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    num_warps: int
+
+    def site(self, device) -> tuple:
+        """``launch``'s cache key for this launch on ``device``."""
+        return (id(self.kernel), device, self.num_warps, tuple(self.constexprs.items()), arg_key(self.args))
+
+
+def remember(recorded: Launch, device, compiled) -> None:
+    """Puts a kernel compiled for ``recorded`` (e.g. ahead of time, ops/precompile.py) where ``launch``
+    looks first, so the real launch neither binds arguments through Triton nor compiles."""
+    kernel = recorded.kernel
+    if hasattr(kernel, "params"):
+        params = [(p.name, p.default) for p in kernel.params]
+    else:  # an InterpretedFunction (no GPU): its Python signature
+        params = [(p.name, p.default) for p in inspect.signature(kernel.fn).parameters.values()]
+    tail = tuple(recorded.constexprs.get(name, default) for name, default in params[len(recorded.args):])
+    _COMPILED[recorded.site(device)] = (compiled, tail)
 
 
 # device index -> side streams, created on first use and shared by every module on that device (a
@@ -92,6 +126,9 @@ def launch(
     """``kernel[grid](*args, **constexprs, num_warps=num_warps)``; returns the compiled kernel (None
     under the interpreter). ``args`` are the leading positional parameters, ``constexprs`` every
     parameter after them; ``key``: ``arg_key(args)`` when the caller has it already."""
+    if _PENDING is not None:
+        _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
+        return None
     if _INTERPRETED or _env.RECORD_LAUNCHES:
         return kernel[grid](*args, **constexprs, num_warps=num_warps)
     cx = tuple(constexprs.items())

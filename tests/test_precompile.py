@@ -1,0 +1,137 @@
+"""Precompiling a step's kernels (TritonTBE.precompile, ops/precompile.py), on the CPU: the dry run
+records every launch the real step issues and changes no state (weights, optimizer state, step counter,
+graph cache, the caller's per-sample weights); the distinct specializations are compiled on a thread
+pool and handed to launch's cache under the keys the real launches look up. Under the interpreter
+nothing is compiled and the report says so. tests/gpu/test_gpu_training.py checks on the GPU that a
+precompiled step compiles nothing and trains bit for bit as one that was not."""
+
+import threading
+
+import pytest
+import torch
+
+from tbe_cases import EmbOptimType, PoolingMode, SparseType, skewed_batch
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops import launch as launch_ops
+from torchrec_triton_tbe.ops.precompile import record_step
+
+SPECS = [(50, 8), (30, 16), (20, 24), (40, 128)]
+FTM = [0, 1, 1, 2, 3]
+
+
+def _module(**kwargs) -> TritonTBE:
+    m = TritonTBE(SPECS, feature_table_map=FTM, device="cpu", learning_rate=0.1, **kwargs)
+    m.init_embedding_weights_uniform(-1, 1)
+    return m
+
+
+def _batch(weighted=False, seed=0):
+    return skewed_batch([r for r, _ in SPECS], FTM, B=8, max_L=6, generator=torch.Generator().manual_seed(seed),
+                        weighted=weighted)
+
+
+def _state(m) -> dict:
+    return {name: buf.clone() for name, buf in m.named_buffers()}
+
+
+def _real_launches(m, batch, psw=None) -> list:
+    """What launch() is asked during a real step (spied; the step runs)."""
+    seen = []
+    original = launch_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None):
+        seen.append(launch_ops.Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
+        return original(kernel, grid, args, constexprs, num_warps, key)
+
+    modules = [mod for mod in _launch_users()]
+    for mod in modules:
+        mod.launch = spy
+    try:
+        out = m(batch.indices, batch.offsets, psw)
+        out.backward(torch.ones_like(out))
+    finally:
+        for mod in modules:
+            mod.launch = original
+    return seen
+
+
+def _launch_users() -> list:
+    import sys
+
+    return [mod for name, mod in sys.modules.items()
+            if name.startswith("torchrec_triton_tbe.ops.") and getattr(mod, "launch", None) is launch_ops.launch]
+
+
+@pytest.mark.parametrize("kwargs,weighted", [
+    (dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD), False),
+    (dict(optimizer=EmbOptimType.ADAM, weights_precision=SparseType.FP32, pooling_mode=PoolingMode.MEAN), True),
+    (dict(optimizer=EmbOptimType.EXACT_SGD, hoist_transpose=True, fused_bounds_check=True), False),
+], ids=["rowwise", "adam-mean-weighted", "sgd-hoist-fused-bounds"])
+def test_dry_run_records_the_real_steps_launches_and_changes_nothing(kwargs, weighted):
+    m = _module(**kwargs)
+    batch = _batch(weighted)
+    psw = None if batch.per_sample_weights is None else batch.per_sample_weights.clone().requires_grad_(True)
+    before = _state(m)
+    recorded = record_step(m, batch.indices, batch.offsets, psw)
+    after = _state(m)
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"the dry run changed {name}"
+    assert len(m._backward_graphs) == 0 and m._last_runs is None
+    assert psw is None or psw.grad is None, "the dry run left a gradient in the caller's per-sample weights"
+    real = _real_launches(m, batch, psw)
+    assert int(m.iter) == 1, "the real step after the dry run is the first step"
+    device = m.current_device
+    assert [r.site(device) for r in recorded] == [r.site(device) for r in real]
+    assert [r.grid for r in recorded] == [r.grid for r in real]
+
+
+def test_precompile_compiles_each_specialization_once_on_a_pool_and_hands_it_to_launch():
+    from torchrec_triton_tbe.ops.precompile import precompile
+
+    m = _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = _batch()
+    threads, compiled = set(), []
+    lock = threading.Lock()
+
+    def fake_compile(recorded):
+        with lock:
+            threads.add(threading.current_thread().name)
+            compiled.append(recorded.site(m.current_device))
+        return ("compiled", recorded.kernel.fn.__name__)
+
+    sites_before = set(launch_ops._COMPILED)
+    try:
+        report = precompile(m, batch.indices, batch.offsets, workers=3, compile_fn=fake_compile)
+        assert report.compiled and report.workers == 3
+        assert report.specializations == len(compiled) == len(set(compiled)) <= report.launches
+        assert all(name.startswith("triton_tbe_precompile") for name in threads)
+        for site in compiled:
+            held, tail = launch_ops._COMPILED[site]
+            assert held[0] == "compiled"
+        assert set(report.kernels) >= {"_pooled_forward_kernel", "_backward_short_kernel", "_linearize_kernel"}
+    finally:
+        for site in set(launch_ops._COMPILED) - sites_before:
+            del launch_ops._COMPILED[site]
+    assert int(m.iter) == 0
+
+
+def test_precompile_under_the_interpreter_compiles_nothing_and_says_so():
+    m = _module(optimizer=EmbOptimType.EXACT_SGD)
+    batch = _batch()
+    report = m.precompile(batch.indices, batch.offsets)
+    assert not report.compiled and report.seconds == 0.0 and report.specializations > 0
+    out = m(batch.indices, batch.offsets)  # the step runs as it would
+    out.backward(torch.ones_like(out))
+    assert int(m.iter) == 1
+
+
+def test_record_step_is_not_reentrant():
+    m = _module()
+    batch = _batch()
+    launch_ops._PENDING = []
+    try:
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            record_step(m, batch.indices, batch.offsets)
+    finally:
+        launch_ops._PENDING = None
