@@ -119,9 +119,12 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     cache_device = device
     if compile_fn is None:
         cache_device = _launch_device(device)  # launch's and Triton's device key: an index
-        # Triton creates a kernel's per-device binder on first use: once here, not racing in the pool.
+        # Triton (3.6, 3.8) creates a kernel's per-device binder on first use: once here, not racing in
+        # the pool.
         for r in chosen:
-            r.kernel.device_caches[cache_device]
+            caches = getattr(r.kernel, "device_caches", None)
+            if caches is not None:
+                caches[cache_device]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as pool:
         kernels = list(pool.map(compile_one, chosen))
