@@ -298,6 +298,7 @@ def assert_options(dmp, case: Case) -> None:
         assert (module.spec.hoist_transpose, module.spec.fused_bounds_check) == (
             options.hoist_transpose, options.fused_bounds_check)
         assert module.embedding_table_index_type == module.embedding_table_offset_type == index_dtype
+        assert (module.check_finite, module.precompile_first_step) == (options.check_finite, options.precompile)
         if options.kernel_config is not None:
             assert module.kernel_config.target == options.kernel_config
 

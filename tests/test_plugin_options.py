@@ -9,6 +9,7 @@ import plugin_cases  # noqa: F401  (imports the plugin before torchrec)
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.plugin.options import (
     CHECK_FINITE_KEY,
+    PRECOMPILE_KEY,
     FUSED_BOUNDS_CHECK_KEY,
     HOIST_TRANSPOSE_KEY,
     INDEX_TYPE_KEY,
@@ -23,7 +24,7 @@ from torchrec_triton_tbe.plugin.options import (
 
 ALL = TritonTBEOptions(
     index_dtype=torch.int32, fused_bounds_check=True, hoist_transpose=True, kernel_config="interpreter",
-    check_finite=True,
+    check_finite=True, precompile=True,
 )
 
 
@@ -31,7 +32,7 @@ def test_defaults_keep_torchrec_keys_untouched():
     params = TritonTBEOptions().to_fused_params()
     assert params == {
         MARKER_KEY: MARKER, FUSED_BOUNDS_CHECK_KEY: False, HOIST_TRANSPOSE_KEY: False, KERNEL_CONFIG_KEY: None,
-        CHECK_FINITE_KEY: False,
+        CHECK_FINITE_KEY: False, PRECOMPILE_KEY: False,
     }
     assert INDEX_TYPE_KEY not in params and OFFSET_TYPE_KEY not in params
 
@@ -75,6 +76,7 @@ def test_pop_from_refuses_other_markers():
         (dict(fused_bounds_check=1), TypeError),
         (dict(hoist_transpose="yes"), TypeError),
         (dict(check_finite=None), TypeError),
+        (dict(precompile=1), TypeError),
         (dict(kernel_config={"forward": {}}), TypeError),
     ],
 )

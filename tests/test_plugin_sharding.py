@@ -33,7 +33,7 @@ ONE_RANK = [
     Case("column_wise", ADAGRAD, Options(index_dtype=I32, hoist_transpose=True, fused_bounds_check=True)),
     Case("column_wise", SGD),
     Case("table_row_wise", ADAGRAD, Options(kernel_config="sm90")),
-    Case("table_row_wise", SGD, Options(hoist_transpose=True), kjt_dtype=I32),
+    Case("table_row_wise", SGD, Options(hoist_transpose=True, precompile=True), kjt_dtype=I32),
     Case("table_wise", ADAGRAD, Options(fused_bounds_check=True, hoist_transpose=True), variant=WEIGHTED),
     Case("row_wise", SGD, Options(index_dtype=I32), variant=WEIGHTED),
     Case("column_wise", ADAGRAD, Options(hoist_transpose=True), variant=FP16),
@@ -41,7 +41,7 @@ ONE_RANK = [
 TWO_RANKS = [
     Case("table_wise", ADAGRAD, Options(index_dtype=I32, fused_bounds_check=True), kjt_dtype=I32),
     Case("row_wise", SGD, Options(hoist_transpose=True)),
-    Case("column_wise", ADAGRAD),
+    Case("column_wise", ADAGRAD, Options(precompile=True)),
     Case("table_row_wise", ADAGRAD, Options(index_dtype=I32, hoist_transpose=True, fused_bounds_check=True)),
     Case("table_wise", SGD, Options(fused_bounds_check=True), bounds_check_mode=BoundsCheckMode.IGNORE, bad_ids=True),
     Case("column_wise", SGD, Options(hoist_transpose=True), variant=WEIGHTED),
@@ -109,7 +109,7 @@ def test_two_ranks_match_fused():
 def test_every_option_value_is_covered():
     cases = ONE_RANK + TWO_RANKS
     for field, values in (("index_dtype", {None, I32, I64}), ("hoist_transpose", {False, True}),
-                          ("fused_bounds_check", {False, True})):
+                          ("fused_bounds_check", {False, True}), ("precompile", {False, True})):
         assert {getattr(c.options, field) for c in cases} == values, field
     assert {c.sharding for c in ONE_RANK} == {c.sharding for c in TWO_RANKS} == set(routing.SUPPORTED_SHARDING_TYPES)
     assert {c.optimizer for c in ONE_RANK} == {c.optimizer for c in TWO_RANKS} == {SGD, ADAGRAD}

@@ -135,3 +135,34 @@ def test_record_step_is_not_reentrant():
             record_step(m, batch.indices, batch.offsets)
     finally:
         launch_ops._PENDING = None
+
+
+def test_precompile_first_step_runs_once_on_the_first_training_forward(monkeypatch):
+    """The plugin's precompile option: module.precompile_first_step makes the first forward with grad
+    enabled call precompile on its batch (once); an earlier no_grad forward does not use it up; training
+    is what it would be without the flag."""
+    from torchrec_triton_tbe.ops import precompile as pre
+
+    calls = []
+    original = pre.precompile
+
+    def counted(module, *args, **kwargs):
+        calls.append(module)
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(pre, "precompile", counted)
+    flagged, plain = _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD), _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    with torch.no_grad():
+        plain.weights.copy_(flagged.weights)
+    flagged.precompile_first_step = True
+    with torch.no_grad():
+        flagged(_batch().indices, _batch().offsets)
+    assert calls == []
+    for seed in range(3):
+        batch = _batch(seed=seed)
+        for m in (flagged, plain):
+            out = m(batch.indices, batch.offsets)
+            out.backward(torch.ones_like(out))
+    assert calls == [flagged]
+    assert torch.equal(flagged.weights, plain.weights) and torch.equal(flagged.momentum1, plain.momentum1)
+    assert int(flagged.iter) == int(plain.iter) == 3

@@ -223,6 +223,10 @@ class TritonTBE(nn.Module):
             hoist_transpose=hoist_transpose,
         )
         self.collect_backward_stats = False
+        # precompile() on the first training forward's batch before running it (the plugin's precompile
+        # option); eval forwards under no_grad neither trigger nor use it up.
+        self.precompile_first_step = False
+        self._precompiled = False
         # Opt-in guard (docs/reliability.md): non-finite per-sample weights (forward) or output
         # gradients (backward) raise before any kernel runs, leaving weights and state untouched.
         # One host sync per checked tensor when on; nothing at all when off.
@@ -268,6 +272,9 @@ class TritonTBE(nn.Module):
     ) -> torch.Tensor:
         # total_unique_indices is a sizing hint (needed by FBGEMM's OptimType.NONE); hash_zch_* feed
         # FBGEMM's raw-embedding streaming. Neither changes the pooled output.
+        if self.precompile_first_step and not self._precompiled and torch.is_grad_enabled():
+            self._precompiled = True  # first: the dry run calls forward too
+            self.precompile(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         spec = self._spec
         sizes = None
         if batch_size_per_feature_per_rank is not None:

@@ -54,6 +54,7 @@ def _build_module(kernel, config: GroupedEmbeddingConfig, device, pg, pooling_mo
         **fused_params,
     )
     kernel._emb_module.check_finite = kernel.options.check_finite
+    kernel._emb_module.precompile_first_step = kernel.options.precompile
     kernel._optim = EmbeddingFusedOptimizer(config, kernel._emb_module, pg)
     kernel.init_parameters()
 

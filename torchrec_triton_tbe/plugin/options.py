@@ -7,7 +7,8 @@ tables, whose constructor rejects unknown keywords. TorchRec groups tables into 
 ``tuple(sorted(fused_params.items()))``, so every value here is hashable, and tables with different
 options never share a kernel.
 
-None of the options changes results of valid batches; each but ``check_finite`` trades speed only.
+None of the options changes results of valid batches; each but ``check_finite`` trades speed only
+(``precompile``: time to the first step).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ FUSED_BOUNDS_CHECK_KEY = "triton_tbe_fused_bounds_check"
 HOIST_TRANSPOSE_KEY = "triton_tbe_hoist_transpose"
 KERNEL_CONFIG_KEY = "triton_tbe_kernel_config"
 CHECK_FINITE_KEY = "triton_tbe_check_finite"
-PLUGIN_KEYS = (MARKER_KEY, FUSED_BOUNDS_CHECK_KEY, HOIST_TRANSPOSE_KEY, KERNEL_CONFIG_KEY, CHECK_FINITE_KEY)
+PRECOMPILE_KEY = "triton_tbe_precompile"
+PLUGIN_KEYS = (MARKER_KEY, FUSED_BOUNDS_CHECK_KEY, HOIST_TRANSPOSE_KEY, KERNEL_CONFIG_KEY, CHECK_FINITE_KEY,
+               PRECOMPILE_KEY)
 
 # TorchRec's own keys (torchrec.distributed.fused_params). They are read by TorchRec's kernel base
 # class, which casts the KJT's ids and offsets to these dtypes, and by TritonTBE; they stay in
@@ -57,6 +60,9 @@ class TritonTBEOptions:
     * ``check_finite``: raise before any update when a per-sample weight (forward) or an output
       gradient (backward) is NaN or infinite, leaving weights and optimizer state untouched
       (docs/reliability.md). One host sync per checked tensor; off by default, as in FBGEMM.
+    * ``precompile``: on its first forward, each kernel module first compiles every kernel a training
+      step on that batch launches, on a thread pool (``TritonTBE.precompile``), instead of compiling
+      them one after another as the step reaches them. Changes when compiling happens, nothing else.
     """
 
     index_dtype: Optional[torch.dtype] = None
@@ -64,12 +70,13 @@ class TritonTBEOptions:
     hoist_transpose: bool = False
     kernel_config: Union[str, KernelConfig, None] = None
     check_finite: bool = False
+    precompile: bool = False
 
     def __post_init__(self) -> None:
         if self.index_dtype is not None and self.index_dtype not in INDEX_DTYPES:
             raise ValueError(f"TritonTBEOptions.index_dtype must be torch.int32, torch.int64 or None, "
                              f"got {self.index_dtype!r}")
-        for name in ("fused_bounds_check", "hoist_transpose", "check_finite"):
+        for name in ("fused_bounds_check", "hoist_transpose", "check_finite", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TritonTBEOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kernel_config is not None and not isinstance(self.kernel_config, (str, KernelConfig)):
@@ -85,6 +92,7 @@ class TritonTBEOptions:
             HOIST_TRANSPOSE_KEY: self.hoist_transpose,
             KERNEL_CONFIG_KEY: self.kernel_config,
             CHECK_FINITE_KEY: self.check_finite,
+            PRECOMPILE_KEY: self.precompile,
         }
         if self.index_dtype is not None:
             params[INDEX_TYPE_KEY] = self.index_dtype
@@ -106,6 +114,7 @@ class TritonTBEOptions:
             hoist_transpose=fused_params.pop(HOIST_TRANSPOSE_KEY, False),
             kernel_config=fused_params.pop(KERNEL_CONFIG_KEY, None),
             check_finite=fused_params.pop(CHECK_FINITE_KEY, False),
+            precompile=fused_params.pop(PRECOMPILE_KEY, False),
         )
 
 

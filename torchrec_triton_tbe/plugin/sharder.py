@@ -64,6 +64,7 @@ class TritonTBEParameterSharding(ParameterSharding):
     hoist_transpose: bool = False
     kernel_config: Union[str, KernelConfig, None] = None
     check_finite: bool = False
+    precompile: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_kernel != CUSTOMIZED:
@@ -88,6 +89,7 @@ class TritonTBEParameterSharding(ParameterSharding):
             hoist_transpose=self.hoist_transpose,
             kernel_config=self.kernel_config,
             check_finite=self.check_finite,
+            precompile=self.precompile,
         )
 
     def get_additional_fused_params(self) -> Dict[str, Any]:
