@@ -70,6 +70,8 @@ for step in "$@"; do
         echo "$kind:"; TRITON_CACHE_DIR=$cache timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
           --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain 2>&1 | quiet | grep -E "^ +0 |MATCH"
       done
+      echo "cold, --precompile:"; TRITON_CACHE_DIR=$(mktemp -d) timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
+        --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain --precompile 2>&1 | quiet | grep -E "^ +0 |MATCH"
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
         --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4
       # TritonTBE.precompile: a cold first step plain and precompiled, fresh processes and caches.

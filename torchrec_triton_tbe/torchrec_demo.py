@@ -101,6 +101,8 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
     ap.add_argument("--index-dtype", choices=("int32", "int64"), default="int64",
                     help="ids/offsets dtype of the KJTs and of both kernels")
     ap.add_argument("--hoist-transpose", action="store_true", help="Triton option: sort ids in forward")
+    ap.add_argument("--precompile", action="store_true",
+                    help="Triton option: compile each kernel's first step on a thread pool before running it")
     ap.add_argument("--fused-bounds-check", action="store_true", help="Triton option: repair ids in forward")
     ap.add_argument("--sequence", action="store_true",
                     help="add an EmbeddingCollection (sequence tables, one embedding per id) next to the bags")
@@ -533,7 +535,8 @@ def _run(args, setup: Setup) -> int:
         embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype,
     )
     options = TritonTBEOptions(
-        index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check
+        index_dtype=index_dtype, hoist_transpose=args.hoist_transpose, fused_bounds_check=args.fused_bounds_check,
+        precompile=args.precompile,
     )
     loop = args.loop or ("plain" if tables.sequence else "pipeline")
     if loop != "plain" and tables.sequence:
