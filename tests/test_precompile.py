@@ -77,7 +77,7 @@ def test_dry_run_records_the_real_steps_launches_and_changes_nothing(kwargs, wei
     assert sorted(before) == sorted(after)
     for name in before:
         assert torch.equal(before[name], after[name]), f"the dry run changed {name}"
-    assert len(m._backward_graphs) == 0 and m._last_runs is None
+    assert len(m._backward_graphs) == 0 and m._last_runs is None and m._cached_call is None
     assert psw is None or psw.grad is None, "the dry run left a gradient in the caller's per-sample weights"
     real = _real_launches(m, batch, psw)
     assert int(m.iter) == 1, "the real step after the dry run is the first step"
@@ -166,3 +166,21 @@ def test_precompile_first_step_runs_once_on_the_first_training_forward(monkeypat
     assert calls == [flagged]
     assert torch.equal(flagged.weights, plain.weights) and torch.equal(flagged.momentum1, plain.momentum1)
     assert int(flagged.iter) == int(plain.iter) == 3
+
+
+def test_dry_run_leaves_the_modules_graph_cache_and_lookup_call_alone():
+    """A dry run after training has begun: it must not enter (on a GPU: replay) the module's own
+    backward-graph cache, and the module's cached LookupCall comes back as it was."""
+    m = _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = _batch()
+    out = m(batch.indices, batch.offsets)
+    out.backward(torch.ones_like(out))
+    graphs, call = m._backward_graphs, m._cached_call
+    assert call is not None
+    before = _state(m)
+    recorded = record_step(m, batch.indices, batch.offsets)
+    assert m._backward_graphs is graphs and m._cached_call is call
+    assert all(torch.equal(before[k], v) for k, v in _state(m).items())
+    real = _real_launches(m, batch)
+    assert [r.site(m.current_device) for r in recorded] == [r.site(m.current_device) for r in real]
+    assert int(m.iter) == 2

@@ -12,7 +12,8 @@ How:
    recording instead of launching (ops/launch.py ``_PENDING``). The host code never waits for the GPU,
    so a step whose kernels never ran still issues every launch the real step will, with the same
    argument types, alignments, constexprs and warps. Host-side effects of the dry run are undone: the
-   step counter it advanced, the CUDA-graph cache entry it created, the last-run statistics.
+   step counter it advanced, the last-run statistics; it runs on a graph cache of its own (a graph the
+   module captured earlier would be replayed, and replays are not launches).
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
 2. Compile. Each distinct specialization goes through Triton's own JIT (``JITFunction.warmup``: its
    binder, its cache key, its on-disk cache) on a thread pool, with the module's device current in each
@@ -37,6 +38,7 @@ import torch
 
 from torchrec_triton_tbe import _env
 from torchrec_triton_tbe.ops import launch as launch_ops
+from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 
 
 _KERNEL_WRITTEN = ("weights", "momentum1", "momentum2", "row_counter")
@@ -63,6 +65,11 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     # buffers (the step counter does: ops/backward.py), all of them small. Snapshot, restore after.
     small = {name: buf.clone() for name, buf in module.named_buffers() if name not in _KERNEL_WRITTEN}
     last_runs = module._last_runs
+    # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
+    # would be replayed (real kernels, garbage gradients), not recorded. The cached LookupCall holds
+    # the cache, so it is set aside too.
+    graphs, cached_call = module._backward_graphs, module._cached_call
+    module._backward_graphs, module._cached_call = BackwardGraphs(), None
     psw = None
     if per_sample_weights is not None:
         psw = per_sample_weights.detach().clone().requires_grad_(per_sample_weights.requires_grad)
@@ -81,7 +88,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
             buffers = dict(module.named_buffers())
             for name, saved in small.items():
                 buffers[name].copy_(saved)
-        module._backward_graphs.clear()
+        module._backward_graphs, module._cached_call = graphs, cached_call
         module._last_runs = last_runs
     return recorded
 
