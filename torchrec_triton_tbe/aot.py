@@ -57,6 +57,47 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
+def specialization(fn, args, kwargs) -> tuple:
+    """(signature, constexprs, divisible argument indices, num_warps) of ``fn(*args, **kwargs)`` as the
+    JIT specializes it: ints equal to 1 become constants, 16-aligned pointers and ints divisible by 16
+    carry tt.divisibility (the compiler vectorises on it)."""
+    kwargs = dict(kwargs)
+    num_warps = kwargs.pop("num_warps", 4)
+    params = list(fn.params)
+    bound = dict(zip([p.name for p in params], args))
+    bound.update(kwargs)
+    signature, constexprs, divisible = {}, {}, []
+    for i, p in enumerate(params):
+        value = bound[p.name]
+        if p.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = getattr(value, "value", value)
+        else:
+            signature[p.name] = _arg_type(value)
+            if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
+                divisible.append(i)
+            elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+                divisible.append(i)
+    return signature, constexprs, tuple(divisible), num_warps
+
+
+def cubin_compiler(target: int):
+    """A ``compile_fn`` for ``ops/precompile.precompile`` that lowers a recorded launch to a ``target``
+    cubin with ``triton.compile`` (no GPU needed: the AOT gate's and tools/first_step.py's compile)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_one(recorded):
+        signature, constexprs, divisible, num_warps = specialization(
+            recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+        return triton.compile(ASTSource(fn=recorded.kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", target, 32), options={"num_warps": num_warps})
+
+    return compile_one
+
+
 @contextmanager
 def recording() -> Iterator[dict]:
     """Replace kernel launches by a record of (kernel, signature, constexprs, num_warps)."""
@@ -66,26 +107,9 @@ def recording() -> Iterator[dict]:
     original = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        num_warps = kwargs.pop("num_warps", 4)
-        params = [p for p in self.params]
-        bound = dict(zip([p.name for p in params], args))
-        bound.update(kwargs)
-        # Mirror the JIT's specialization: ints equal to 1 become constants, 16-aligned pointers and
-        # ints divisible by 16 carry tt.divisibility (the compiler vectorises on it).
-        signature, constexprs, divisible = {}, {}, []
-        for i, p in enumerate(params):
-            value = bound[p.name]
-            if p.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
-                signature[p.name] = "constexpr"
-                constexprs[p.name] = getattr(value, "value", value)
-            else:
-                signature[p.name] = _arg_type(value)
-                if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
-                    divisible.append(i)
-                elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
-                    divisible.append(i)
-        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(divisible), num_warps)
-        seen.setdefault(key, (self, signature, constexprs, tuple(divisible), num_warps))
+        signature, constexprs, divisible, num_warps = specialization(self, args, kwargs)
+        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), divisible, num_warps)
+        seen.setdefault(key, (self, signature, constexprs, divisible, num_warps))
 
     JITFunction.run = record
     previous = _env.RECORD_LAUNCHES
