@@ -475,12 +475,17 @@ SEQ_PLANS = {
 
 
 class SeqModel(nn.Module):
-    def __init__(self, device: str = "meta") -> None:
+    def __init__(self, device: str = "meta", need_indices: bool = False) -> None:
         super().__init__()
-        self.ec = EmbeddingCollection(tables=list(SEQ_TABLES), device=torch.device(device))
+        self.need_indices = need_indices
+        self.ec = EmbeddingCollection(tables=list(SEQ_TABLES), device=torch.device(device), need_indices=need_indices)
 
     def forward(self, kjt) -> torch.Tensor:
         out = self.ec(kjt)
+        if self.need_indices:
+            # The ids come back beside each feature's embeddings (as the JaggedTensor's weights).
+            for f in SEQ_FEATURES:
+                assert torch.equal(out[f].weights(), kjt[f].values()), f
         return torch.cat([out[f].values() for f in SEQ_FEATURES])
 
 

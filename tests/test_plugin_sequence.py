@@ -27,8 +27,8 @@ SEQ_TABLES, SeqModel = pc.SEQ_TABLES, pc.SeqModel
 _initial_state, _plans = pc.seq_initial_state, pc.seq_plans
 
 
-def _dmp(plan, sharder, init=None):
-    dmp = DistributedModelParallel(SeqModel(), env=ShardingEnv.from_process_group(pc.dist.group.WORLD),
+def _dmp(plan, sharder, init=None, need_indices=False):
+    dmp = DistributedModelParallel(SeqModel(need_indices=need_indices), env=ShardingEnv.from_process_group(pc.dist.group.WORLD),
                                    device=torch.device("cpu"), plan=ShardingPlan({"ec": plan}), sharders=[sharder])
     result = dmp.load_state_dict(init if init is not None else _initial_state(), strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -51,10 +51,11 @@ def _kernels(dmp):
 
 
 def run_ab(sharding: str, optimizer, options: Options = Options(), rank: int = 0, world_size: int = 1,
-           kjt_dtype=torch.int64):
+           kjt_dtype=torch.int64, need_indices: bool = False):
+    """``need_indices``: the EmbeddingCollection also returns each lookup's id (SeqModel checks them)."""
     fused_plan, our_plan = _plans(sharding, world_size, options)
     sharder = TritonTBEEmbeddingCollectionSharder(fused_params=pc.fused_params(optimizer))
-    (fl, fused), (ol, ours) = [(None, _dmp(p, sharder)) for p in (fused_plan, our_plan)]
+    (fl, fused), (ol, ours) = [(None, _dmp(p, sharder, need_indices=need_indices)) for p in (fused_plan, our_plan)]
     fl, ol = _train(fused, 2, rank, kjt_dtype), _train(ours, 2, rank, kjt_dtype)
     assert _kernels(ours) and all(type(k) is TritonTBEEmbedding for k in _kernels(ours))
     assert all(type(k) is BatchedFusedEmbedding for k in _kernels(fused))
@@ -78,6 +79,10 @@ def one_rank():
 ], ids=["tw-rowwise", "rw-sgd-int32-hoist", "cw-rowwise-fusedbc", "tw-adagrad-hoist-fusedbc"])
 def test_sequence_collection_matches_fused(one_rank, sharding, optimizer, options, kjt_dtype):
     run_ab(sharding, optimizer, options, kjt_dtype=kjt_dtype)
+
+
+def test_sequence_collection_with_need_indices_matches_fused(one_rank):
+    run_ab("table_wise", ADAGRAD, need_indices=True)
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
@@ -104,6 +109,7 @@ def _interchange(rank: int, world_size: int, sharding: str) -> None:
 def _two_ranks(rank: int, world_size: int) -> None:
     for sharding, optimizer in (("table_wise", ADAGRAD), ("row_wise", ADAGRAD), ("column_wise", SGD)):
         run_ab(sharding, optimizer, rank=rank, world_size=world_size)
+    run_ab("row_wise", ADAGRAD, rank=rank, world_size=world_size, need_indices=True)
     _interchange(rank, world_size, "row_wise")
 
 
