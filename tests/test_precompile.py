@@ -34,7 +34,7 @@ def _state(m) -> dict:
     return {name: buf.clone() for name, buf in m.named_buffers()}
 
 
-def _real_launches(m, batch, psw=None) -> list:
+def _real_launches(m, indices, offsets, psw=None, vbe=None) -> list:
     """What launch() is asked during a real step (spied; the step runs)."""
     seen = []
     original = launch_ops.launch
@@ -47,7 +47,8 @@ def _real_launches(m, batch, psw=None) -> list:
     for mod in modules:
         mod.launch = spy
     try:
-        out = m(batch.indices, batch.offsets, psw)
+        extra = {} if vbe is None else {"batch_size_per_feature_per_rank": vbe}
+        out = m(indices, offsets, psw, **extra)
         out.backward(torch.ones_like(out))
     finally:
         for mod in modules:
@@ -79,7 +80,7 @@ def test_dry_run_records_the_real_steps_launches_and_changes_nothing(kwargs, wei
         assert torch.equal(before[name], after[name]), f"the dry run changed {name}"
     assert len(m._backward_graphs) == 0 and m._last_runs is None and m._cached_call is None
     assert psw is None or psw.grad is None, "the dry run left a gradient in the caller's per-sample weights"
-    real = _real_launches(m, batch, psw)
+    real = _real_launches(m, batch.indices, batch.offsets, psw)
     assert int(m.iter) == 1, "the real step after the dry run is the first step"
     device = m.current_device
     assert [r.site(device) for r in recorded] == [r.site(device) for r in real]
@@ -181,7 +182,7 @@ def test_dry_run_leaves_the_modules_graph_cache_and_lookup_call_alone():
     recorded = record_step(m, batch.indices, batch.offsets)
     assert m._backward_graphs is graphs and m._cached_call is call
     assert all(torch.equal(before[k], v) for k, v in _state(m).items())
-    real = _real_launches(m, batch)
+    real = _real_launches(m, batch.indices, batch.offsets)
     assert [r.site(m.current_device) for r in recorded] == [r.site(m.current_device) for r in real]
     assert int(m.iter) == 2
 
@@ -222,3 +223,26 @@ def test_precompile_compiles_real_cubins_on_two_threads(tmp_path):
     assert report["compiled"] and report["workers"] == 2 and report["iter"] == 0
     assert report["specializations"] >= 10
     assert {"_pooled_forward_kernel", "_backward_short_kernel", "_linearize_kernel"} <= set(report["kernels"])
+
+
+def _recorded_equals_real(m, indices, offsets, vbe=None):
+    before = _state(m)
+    recorded = record_step(m, indices, offsets, batch_size_per_feature_per_rank=vbe)
+    assert all(torch.equal(before[k], v) for k, v in _state(m).items())
+    seen = _real_launches(m, indices, offsets, vbe=vbe)
+    assert recorded and [r.site(m.current_device) for r in recorded] == [r.site(m.current_device) for r in seen]
+
+
+def test_dry_run_of_sequence_and_variable_batch_steps():
+    """PoolingMode.NONE (one D for every table) and a variable batch per feature (VBE)."""
+    seq = TritonTBE([(50, 16), (30, 16)], feature_table_map=[0, 1, 1], device="cpu", pooling_mode=PoolingMode.NONE,
+                    optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = skewed_batch([50, 30], [0, 1, 1], B=4, max_L=5, generator=torch.Generator().manual_seed(1))
+    _recorded_equals_real(seq, batch.indices, batch.offsets)
+    vbe = _module(optimizer=EmbOptimType.EXACT_SGD)
+    sizes = [[3], [5], [2], [4], [1]]  # one rank, a batch size per feature
+    lengths = torch.tensor([1, 2, 0, 3, 1, 2, 2, 0, 1, 1, 3, 1, 2, 1, 1])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    indices = torch.arange(int(offsets[-1])) % 20
+    _recorded_equals_real(vbe, indices, offsets, vbe=sizes)
