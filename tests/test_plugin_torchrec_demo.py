@@ -42,6 +42,8 @@ def _two_rank_demo(rank: int, world_size: int, argv: list) -> None:
     assert rc == 0, text
     if rank == 0:  # rank 0 prints the table, every rank compares its own shards
         assert "world_size=2" in text and "MATCH" in text and "MISMATCH" not in text, text
+        if "--replicas" in demo_argv:
+            assert "2 replicas" in text and "replicas after the last sync(): bitwise identical" in text, text
         for kind in expect:
             assert f"={kind}@" in text, (kind, text)
     else:
@@ -121,3 +123,22 @@ def test_torchrun_launches_the_console_script():
     assert Path(script).exists(), "the console script is not installed (pip install -e .)"
     out = _torchrun([script])
     assert out.count("world_size=2") == 1 and "MATCH" in out and "MISMATCH" not in out, out
+
+
+def _two_d_demo(rank: int, world_size: int, argv: list) -> None:
+    # TorchRec's DMPCollection asserts CUDA: the demo takes the CPU stand-in tests use (plugin_cases).
+    torchrec_demo.DMP_COLLECTION_CLASS = plugin_cases.cpu_dmp_collection()
+    _two_rank_demo(rank, world_size, argv)
+
+
+def test_demo_2d_parallel_two_replicas_of_one_rank():
+    """--replicas 2 on 2 ranks: DMPCollection, one-rank sharding groups, sync() after every step."""
+    argv = SMALL + ["--replicas", "2", "--sharding", "mixed", "--expect", "table_wise,row_wise"]
+    plugin_cases.spawn(_two_d_demo, 2, argv)
+
+
+def test_demo_2d_parallel_needs_gpus_or_a_divisor():
+    import pytest
+
+    with pytest.raises(SystemExit, match="must divide the world size"):
+        torchrec_demo.main(SMALL + ["--replicas", "2"])

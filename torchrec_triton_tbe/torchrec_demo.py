@@ -33,6 +33,7 @@ import socket
 import statistics
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -71,6 +72,12 @@ class Setup:
     created_pg: bool
     rank: int = 0
     world_size: int = 1
+    replicas: int = 1  # 2D parallel (DMPCollection): the model sharded over world_size // replicas ranks
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per sharding group: the ranks a plan spreads tables over."""
+        return self.world_size // self.replicas
 
     def print(self, *args, **kwargs) -> None:
         """Rank 0 prints; the others compute and reduce."""
@@ -121,6 +128,9 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
                          "second KJT TorchRec's Batch does not carry); semi-sync: TrainPipelineSemiSync (each "
                          "batch's embeddings from weights one update older); base: TrainPipelineBase (copy "
                          "overlap only); plain: forward, backward, step")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="2D parallel: TorchRec's DMPCollection with this many replicas of the model, each sharded "
+                         "over world_size / replicas ranks and averaged by sync() after every step (GPUs only)")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference allowed")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -323,7 +333,7 @@ def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
     tables these four in turn; "planner" is TorchRec's EmbeddingShardingPlanner over this topology."""
     from torchrec.distributed import sharding_plan as sp
 
-    W = setup.world_size
+    W = setup.group_size
     if sharding == "planner":
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
         from torchrec.distributed.planner.types import ParameterConstraints
@@ -370,19 +380,54 @@ def _switch(plans: dict, convert) -> dict:
     return {path: convert(plan) for path, plan in plans.items()}
 
 
+# A CPU-capable stand-in for TorchRec's DMPCollection (which asserts CUDA): tests set it
+# (tests/plugin_cases.py cpu_dmp_collection); None: TorchRec's own class.
+DMP_COLLECTION_CLASS: Optional[type] = None
+
+
+def _dmp_collection_class(setup: Setup) -> type:
+    if DMP_COLLECTION_CLASS is not None:
+        return DMP_COLLECTION_CLASS
+    if not setup.gpu:
+        raise SystemExit("--replicas: TorchRec's DMPCollection (2D parallel) runs on CUDA or MTIA devices only; "
+                         "run it on GPUs")
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    return DMPCollection
+
+
+def _gloo_average(group, tensors) -> None:
+    """DMPCollection's all-reduce hook on gloo, which has no ReduceOp.AVG: sum, then divide."""
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t.div_(dist.get_world_size(group))
+
+
 def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr: float, pipeline: bool):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    dmp = DistributedModelParallel(
-        _model(tables, setup, dense_in, pipeline),
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=setup.device,
-        plan=ShardingPlan(plans),
-        sharders=sharders,
-    )
+    model = _model(tables, setup, dense_in, pipeline)
+    if setup.replicas > 1:
+        # DMPCollection remaps the plan's ranks and shard placements in place: each model gets its own copy.
+        dmp = _dmp_collection_class(setup)(
+            model, device=setup.device, plan=ShardingPlan(copy.deepcopy(plans)), world_size=setup.world_size,
+            sharding_group_size=setup.group_size, global_pg=dist.group.WORLD, sharders=sharders,
+            # Table-row-wise plans span "the host" (host_index=0): in 2D, the sharding group is that host.
+            node_group_size=setup.group_size,
+        )
+        if not setup.gpu:
+            dmp.set_all_reduce_hook(_gloo_average)
+    else:
+        dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=setup.device,
+            plan=ShardingPlan(plans),
+            sharders=sharders,
+        )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=lr)
     )
@@ -435,13 +480,34 @@ def _pipeline_batches(batches):
 
 
 def _local(t) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
     from torchrec.distributed.types import ShardedTensor
 
     if isinstance(t, ShardedTensor):
         # On N ranks a rank may hold no shard of a table: nothing of it to compare here.
         shards = [s.tensor.reshape(-1) for s in t.local_shards()]
         return torch.cat(shards) if shards else torch.zeros(0)
+    if isinstance(t, DTensor):
+        # 2D parallel: this rank's shards, behind TorchRec's LocalShardsWrapper.
+        local = t.to_local()
+        shards = [s.reshape(-1) for s in local.local_shards()] if hasattr(local, "local_shards") else [local.reshape(-1)]
+        return torch.cat(shards) if shards else torch.zeros(0)
     return t.reshape(-1)
+
+
+def _replicas_identical(dmp) -> bool:
+    """Whether every replica of this rank's shards (weights and fused-optimizer state) holds the same
+    values, over DMPCollection's replica group (a collective: every rank calls it)."""
+    group = dmp.device_mesh.get_group(mesh_dim="replicate")
+    same = True
+    for tensors in (_embedding_state(dmp), _optimizer_state(dmp)):
+        for key in sorted(tensors):
+            t = _local(tensors[key]).double()
+            high, low = t.clone(), t.clone()
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+            same = same and torch.equal(high, low)
+    return same
 
 
 def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
@@ -474,6 +540,8 @@ def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
     opt.zero_grad()
     loss.backward()
     opt.step()
+    if setup.replicas > 1:
+        dmp.sync()  # 2D parallel: replicas averaged (weights and fused-optimizer state)
     if setup.gpu:
         torch.cuda.synchronize()
     return loss.item(), (time.perf_counter() - t0) * 1e3
@@ -484,18 +552,21 @@ def _pipeline(loop: str, model, optimizer, device: torch.device):
     from torchrec.distributed.train_pipeline import train_pipelines
 
     cls = getattr(train_pipelines, PIPELINES[loop])
+    extra = {} if loop == "base" else {"dmp_collection_sync_interval_batches": None}  # the demo syncs itself
     if loop == "semi-sync":
-        return cls(model, optimizer, device, start_batch=0)
-    return cls(model, optimizer, device)
+        return cls(model, optimizer, device, start_batch=0, **extra)
+    return cls(model, optimizer, device, **extra)
 
 
-def _pipeline_step(pipeline, it, setup: Setup) -> tuple[float, float]:
+def _pipeline_step(pipeline, it, setup: Setup, model) -> tuple[float, float]:
     """One pipeline progress(): this batch's forward, backward and optimizer step, with the next batch's
     copy (and, but for TrainPipelineBase, its input distribution) started (the loop TorchRec users run)."""
     if setup.gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     loss = pipeline.progress(it)[0]  # DLRMTrain's output: (loss, logits, labels), detached
+    if setup.replicas > 1:
+        model.sync()  # 2D parallel (the pipelines' own per-batch sync is off: _pipeline)
     value = loss.item()
     if setup.gpu:
         torch.cuda.synchronize()
@@ -525,6 +596,11 @@ def _run(args, setup: Setup) -> int:
     if not setup.gpu and args.optimizer not in CPU_FUSED_OPTIMIZERS:
         raise SystemExit(f"--optimizer {args.optimizer}: FBGEMM's CPU TBE (the 'fused' side without a GPU) "
                          f"implements only {', '.join(CPU_FUSED_OPTIMIZERS)}; run it on a GPU")
+    if args.replicas < 1 or setup.world_size % args.replicas:
+        raise SystemExit(f"--replicas {args.replicas}: must divide the world size ({setup.world_size})")
+    if args.replicas > 1:
+        _dmp_collection_class(setup)  # refuses CPUs here, before anything is built
+        setup = dataclasses.replace(setup, replicas=args.replicas)
     torch.manual_seed(args.seed)
     tables = _tables(args)
     dense_in = 13  # DLRM's Criteo dense feature count
@@ -570,7 +646,9 @@ def _run(args, setup: Setup) -> int:
     pooling = ",".join(t.pooling.name for t in tables.bags)
     print = setup.print  # noqa: A001  (rank 0 prints; every rank computes)
     print(f"TorchRec DLRM A/B, plan kernel 'fused' vs 'customized_kernel' (triton_tbe) on {where}, "
-          f"world_size={setup.world_size}, loop={PIPELINES.get(loop, 'plain')}")
+          f"world_size={setup.world_size}, loop={PIPELINES.get(loop, 'plain')}"
+          + (f", 2D parallel: {setup.replicas} replicas x {setup.group_size}-rank sharding groups (DMPCollection)"
+             if setup.replicas > 1 else ""))
     if tables.mixed_dims:
         dims = sorted({t.embedding_dim for t in tables.bags})
         sizes = (f"shape={args.shape} (suite {args.suite}, rows x{args.rows_scale:g}): rows "
@@ -598,7 +676,7 @@ def _run(args, setup: Setup) -> int:
     if pipeline:
         pipes = [_pipeline(loop, m, o, setup.device) for m, o in ((fused, fused_opt), (ours, our_opt))]
         iters = [iter(_pipeline_batches(batches)) for _ in pipes]
-        steps = [lambda k=k: _pipeline_step(pipes[k], iters[k], setup) for k in range(2)]
+        steps = [lambda k=k, m=m: _pipeline_step(pipes[k], iters[k], setup, m) for k, m in enumerate((fused, ours))]
     else:
         steps = [lambda k=k, m=m, o=o: _step(m, o, batches[step], setup)
                  for k, (m, o) in enumerate(((fused, fused_opt), (ours, our_opt)))]
@@ -635,6 +713,11 @@ def _run(args, setup: Setup) -> int:
                                _max_rel_diff(_optimizer_state(back), _optimizer_state(ours))))
     print(f"checkpoint fused -> triton (before step 0) and triton -> fused (now): largest difference {d_back:.1e}")
     ok = worst <= args.tolerance and d_back == 0.0
+    if setup.replicas > 1:
+        # Every rank matched fused's shards; the sync must also have left the replicas identical.
+        split = [name for name, m in (("fused", fused), ("triton", ours)) if not _replicas_identical(m)]
+        print(f"2D parallel: replicas after the last sync(): {'differ on ' + ', '.join(split) if split else 'bitwise identical'}")
+        ok = ok and not split
     print(f"{'MATCH' if ok else 'MISMATCH'}: largest relative difference {worst:.2e} (tolerance {args.tolerance:.0e})")
     return 0 if ok else 1
 

@@ -19,6 +19,8 @@ RUNS = {
     "table_row_wise": ["--sharding", "table_row_wise"],
     "planner": ["--sharding", "planner"],
     "mixed_vbe_plain": ["--sharding", "mixed", "--vbe", "--loop", "plain"],
+    # 2D parallel: DMPCollection, two replicas of one-GPU sharding groups, sync() after every step.
+    "replicas_2": ["--replicas", "2", "--sharding", "mixed"],
 }
 
 
