@@ -137,6 +137,27 @@ def test_demo_2d_parallel_two_replicas_of_one_rank():
     plugin_cases.spawn(_two_d_demo, 2, argv)
 
 
+def _four_rank_2d_demo(rank: int, world_size: int) -> None:
+    import contextlib
+    import io
+
+    torchrec_demo.DMP_COLLECTION_CLASS = plugin_cases.cpu_dmp_collection()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = torchrec_demo.main(SMALL + ["--replicas", "2", "--sharding", "mixed"])
+    text = out.getvalue()
+    assert rc == 0, text
+    if rank == 0:
+        assert "world_size=4" in text and "2 replicas x 2-rank sharding groups" in text, text
+        for kind in ("table_wise", "row_wise", "column_wise", "table_row_wise"):
+            assert f"={kind}@" in text, (kind, text)
+        assert "bitwise identical" in text and "MATCH" in text and "MISMATCH" not in text, text
+
+
+def test_demo_2d_parallel_two_replicas_of_two_rank_groups_every_sharding_type():
+    plugin_cases.spawn(_four_rank_2d_demo, 4)
+
+
 def test_demo_2d_parallel_needs_gpus_or_a_divisor():
     import pytest
 
