@@ -19,7 +19,9 @@ On a CPU machine it runs a small model on gloo (our kernels under Triton's inter
 TBE as ``fused``: the times compare an interpreter with compiled C++, not kernels). With a GPU it runs a
 larger model on it (compiled Triton against FBGEMM's CUDA TBE, nccl). Under ``torchrun
 --nproc_per_node N`` it is one N-rank job (data parallel, one GPU per rank): every rank compares its own
-shards, rank 0 prints. Training runs in TorchRec's TrainPipelineSparseDist unless ``--loop plain``.
+shards, rank 0 prints. Training runs in TorchRec's TrainPipelineSparseDist unless ``--loop`` picks another
+pipeline or the plain loop. ``--replicas R`` (GPUs) trains both in TorchRec's 2D parallel DMPCollection: R
+replicas of world_size / R-rank sharding groups, synced after every step and checked identical at the end.
 Exit status 1 if the two runs diverge beyond the tolerance.
 """
 
