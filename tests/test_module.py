@@ -212,3 +212,37 @@ def test_reset_embedding_weight_momentum_rejects_bad_ids_before_writing(pruned, 
     with pytest.raises((IndexError, ValueError), match=match):
         tbe.reset_embedding_weight_momentum(torch.tensor(pruned), torch.tensor(offsets), tables_t, buffers_t)
     assert all(torch.equal(getattr(tbe, k), v) for k, v in before.items())
+
+
+def test_torch_compile_runs_the_module_eagerly_between_graphs():
+    """torch.compile of a model holding a TritonTBE: dynamo cannot trace our launches, so the module's
+    forward is excluded (torch.compiler.disable) and runs eagerly between the compiled graphs; training
+    equals the uncompiled model's (aot_eager: AOTAutograd around the break, no C compiler needed)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.tbe = TritonTBE(SPECS, feature_table_map=[0, 1, 1], device="cpu", learning_rate=0.1,
+                                 optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+            self.tbe.init_embedding_weights_uniform(-1, 1)
+            self.lin = torch.nn.Linear(4 + 8 + 8, 1)
+
+        def forward(self, indices, offsets):
+            return self.lin(torch.relu(self.tbe(indices, offsets))).sum()
+
+    eager, compiled = Model(), Model()
+    run = torch.compile(compiled, backend="aot_eager")
+    lengths = torch.tensor([1, 2, 0, 3, 1, 2, 2, 0, 1, 1, 3, 1])
+    offsets = torch.zeros(13, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    indices = torch.arange(int(offsets[-1])) % 6
+    for _ in range(2):
+        a, b = eager(indices, offsets), run(indices, offsets)
+        a.backward()
+        b.backward()
+        assert_close(b, a, "loss", 1e-6, 1e-6)
+    assert_close(compiled.tbe.weights, eager.tbe.weights, "weights", 1e-6, 1e-6)
+    assert_close(compiled.tbe.momentum1, eager.tbe.momentum1, "momentum", 1e-6, 1e-6)
+    assert_close(compiled.lin.weight.grad, eager.lin.weight.grad, "dense grad", 1e-6, 1e-6)
+    assert int(compiled.tbe.iter) == int(eager.tbe.iter) == 2

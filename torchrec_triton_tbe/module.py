@@ -257,6 +257,10 @@ class TritonTBE(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ forward
+    # torch.compile: dynamo cannot trace the launches (our launch cache calls Triton's launcher directly;
+    # under the interpreter the kernels are not JITFunctions at all), so a compiled model runs this
+    # forward eagerly between graphs and its backward through autograd, as FBGEMM's opaque custom ops do.
+    @torch.compiler.disable
     def forward(
         self,
         indices: torch.Tensor,
