@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import statistics
+import sys
 import time
 import warnings
 import dataclasses
@@ -583,11 +584,31 @@ def main(argv=None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     setup = _init_process_group(gpu)
+    global _GLOO_RANKS
+    _GLOO_RANKS = not setup.gpu and setup.world_size > 1
     try:
         return _run(args, setup)
     finally:
         if setup.created_pg:
             dist.destroy_process_group()
+
+
+_GLOO_RANKS = False  # whether the last main() ran on several gloo ranks (see cli)
+
+
+def cli() -> None:
+    """The command line (``python -m`` and the console script): main(), then exit with its status. After
+    a run on several gloo ranks the process leaves without interpreter finalization: gloo's worker
+    threads can still hold work objects at exit, and tearing them down then aborts the process
+    ("terminate called without an active exception", SIGABRT, after destroy_process_group: about one
+    torchrun run in eight on the CPU machine; cf. pytorch/pytorch#179291). Output is flushed first and
+    the process group is already destroyed; a run that raised exits through the exception as usual."""
+    rc = main()
+    if _GLOO_RANKS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    raise SystemExit(rc)
 
 
 def _run(args, setup: Setup) -> int:
@@ -725,4 +746,4 @@ def _run(args, setup: Setup) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()
