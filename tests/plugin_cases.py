@@ -24,6 +24,7 @@ from torchrec_triton_tbe.plugin import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEOptions,
     TritonTBESharder,
+    two_d,
     use_fused,
     use_triton_tbe,
 )
@@ -516,7 +517,6 @@ def cpu_dmp_collection() -> type:
 
     import torchrec.distributed.model_parallel as mp
     from torch.distributed.remote_device import _remote_device
-    from torchrec_triton_tbe.plugin import two_d
 
     source = textwrap.dedent(inspect.getsource(mp.DMPCollection))
     assert 'device.type == "cuda"' in source, "TorchRec's DMPCollection no longer asserts CUDA: drop this shim"
@@ -547,14 +547,6 @@ def replicas_equal(group, tensor: torch.Tensor) -> bool:
     everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, tensor.detach().contiguous(), group=group)
     return all(torch.equal(everyone[0], t) for t in everyone[1:])
-
-
-def gloo_average(group, tensors: List[torch.Tensor]) -> None:
-    """DMPCollection's all-reduce hook (``set_all_reduce_hook``: the context's replica group and its
-    tensors) for gloo, which has no ``ReduceOp.AVG`` (NCCL's default path uses it): sum, then divide."""
-    for t in tensors:
-        dist.all_reduce(t, group=group)
-        t.div_(dist.get_world_size(group))
 
 
 def sync_and_check(dmp, groups: Dict[str, object], what: str) -> None:
@@ -614,7 +606,7 @@ def two_d_train(rank: int, world_size: int, sharding: str, group_size: int, kern
         sharders=[sharder_type(fused_params=fused_params(optimizer))],
     )
     if device == "cpu":
-        dmp.set_all_reduce_hook(gloo_average)
+        dmp.set_all_reduce_hook(two_d.gloo_average)
     assert_routed(dmp, expect_ours=kernel == "triton", collection=collection)
     result = dmp.load_state_dict(init, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
@@ -678,7 +670,7 @@ def two_d_submodule_train(rank: int, world_size: int, kernel: str, steps: int = 
         submodule_configs=[DMPCollectionConfig(module=EmbeddingBagCollection,
                                                plan=ShardingPlan({"ebc": bag_plans[pick]}), sharding_group_size=2)],
     )
-    dmp.set_all_reduce_hook(gloo_average)
+    dmp.set_all_reduce_hook(two_d.gloo_average)
     bag_ctx, seq_ctx = dmp._submodule_ctxs[0], dmp._default_ctx
     assert dist.get_world_size(bag_ctx.replica_pg) == world_size // 2
     assert dist.get_world_size(seq_ctx.replica_pg) == world_size

@@ -29,7 +29,7 @@ def test_demo_sequence_and_vbe_modes_match(capsys):
     assert "MATCH" in out and "MISMATCH" not in out
 
 
-def _two_rank_demo(rank: int, world_size: int, argv: list) -> None:
+def _rank_demo(rank: int, world_size: int, argv: list) -> None:
     import contextlib
     import io
 
@@ -41,9 +41,11 @@ def _two_rank_demo(rank: int, world_size: int, argv: list) -> None:
     text = out.getvalue()
     assert rc == 0, text
     if rank == 0:  # rank 0 prints the table, every rank compares its own shards
-        assert "world_size=2" in text and "MATCH" in text and "MISMATCH" not in text, text
+        assert f"world_size={world_size}" in text and "MATCH" in text and "MISMATCH" not in text, text
         if "--replicas" in demo_argv:
-            assert "2 replicas" in text and "replicas after the last sync(): bitwise identical" in text, text
+            r = int(demo_argv[demo_argv.index("--replicas") + 1])
+            assert f"{r} replicas x {world_size // r}-rank sharding groups" in text, text
+            assert "replicas after the last sync(): bitwise identical" in text, text
         for kind in expect:
             assert f"={kind}@" in text, (kind, text)
     else:
@@ -57,12 +59,12 @@ def test_demo_on_two_ranks_every_sharding_type_with_the_train_pipeline():
     """torchrun's case on two gloo ranks: TrainPipelineSparseDist (the default loop), the four sharding
     types at once (--sharding mixed), every rank's shards against fused's, checkpoints both ways."""
     argv = SMALL + ["--sharding", "mixed", "--expect", "table_wise,row_wise,column_wise,table_row_wise"]
-    plugin_cases.spawn(_two_rank_demo, 2, argv)
+    plugin_cases.spawn(_rank_demo, 2, argv)
 
 
 def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
     argv = SMALL + ["--sharding", "planner", "--loop", "plain", "--sequence", "--expect", "table_wise"]
-    plugin_cases.spawn(_two_rank_demo, 2, argv)
+    plugin_cases.spawn(_rank_demo, 2, argv)
 
 
 def test_demo_on_production_shaped_tables(tmp_path, capsys):
@@ -128,7 +130,7 @@ def test_torchrun_launches_the_console_script():
 def _two_d_demo(rank: int, world_size: int, argv: list) -> None:
     # TorchRec's DMPCollection asserts CUDA: the demo takes the CPU stand-in tests use (plugin_cases).
     torchrec_demo.DMP_COLLECTION_CLASS = plugin_cases.cpu_dmp_collection()
-    _two_rank_demo(rank, world_size, argv)
+    _rank_demo(rank, world_size, argv)
 
 
 def test_demo_2d_parallel_two_replicas_of_one_rank():
@@ -137,25 +139,9 @@ def test_demo_2d_parallel_two_replicas_of_one_rank():
     plugin_cases.spawn(_two_d_demo, 2, argv)
 
 
-def _four_rank_2d_demo(rank: int, world_size: int) -> None:
-    import contextlib
-    import io
-
-    torchrec_demo.DMP_COLLECTION_CLASS = plugin_cases.cpu_dmp_collection()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = torchrec_demo.main(SMALL + ["--replicas", "2", "--sharding", "mixed"])
-    text = out.getvalue()
-    assert rc == 0, text
-    if rank == 0:
-        assert "world_size=4" in text and "2 replicas x 2-rank sharding groups" in text, text
-        for kind in ("table_wise", "row_wise", "column_wise", "table_row_wise"):
-            assert f"={kind}@" in text, (kind, text)
-        assert "bitwise identical" in text and "MATCH" in text and "MISMATCH" not in text, text
-
-
 def test_demo_2d_parallel_two_replicas_of_two_rank_groups_every_sharding_type():
-    plugin_cases.spawn(_four_rank_2d_demo, 4)
+    argv = SMALL + ["--replicas", "2", "--sharding", "mixed", "--expect", "table_wise,row_wise,column_wise,table_row_wise"]
+    plugin_cases.spawn(_two_d_demo, 4, argv)
 
 
 def test_demo_2d_parallel_needs_gpus_or_a_divisor():

@@ -26,45 +26,52 @@ from concurrent.futures import ProcessPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _record(shape: str, suite: str, optimizer: str, rows_scale: float, target: int) -> tuple[list[dict], dict]:
-    """(the step's specializations as plain dicts, facts about the step)."""
+def _shape_step(shape: str, suite: str, optimizer: str, rows_scale: float, device) -> tuple:
+    """(case, TritonTBE constructor arguments and keywords, indices, offsets, per-sample weights) of the
+    suite shape's first batch on ``device``, its tables' rows scaled (at least a bag's length of rows:
+    FBGEMM's Zipf generator needs them)."""
+    import dataclasses
+
     import numpy as np
     import torch
 
-    from torchrec_triton_tbe import aot
     from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
     from torchrec_triton_tbe.bench.batches import make_workload
     from torchrec_triton_tbe.bench.case import load_suite
-    from torchrec_triton_tbe.module import TritonTBE
 
     _, shapes = load_suite(suite, {})
     found = [sh.case for sh in shapes if sh.case.name == shape]
     if not found:
         raise SystemExit(f"--shape {shape!r}: not in suite {suite!r}")
     case = found[0]
-    np.random.seed(42)
+    np.random.seed(42)  # the mixed dims are drawn from it (bench/case.py)
     dims = case.table_dims()
-    # At least a bag's length of rows: FBGEMM's Zipf generator needs them.
     rows = [max(1, case.bag_size_at(k), round(case.num_embeddings_at(k) * rows_scale)) for k in range(case.num_tables)]
-    scaled = case
     if rows_scale != 1.0:
-        import dataclasses
+        case = dataclasses.replace(case, num_embeddings_list=tuple(rows), num_embeddings=max(rows))
+    request = make_workload(case, device).requests[0]
+    idx_dtype = torch.int32 if case.indices_dtype == 32 else torch.int64
+    specs = list(zip(rows, dims))
+    kwargs = dict(optimizer=EmbOptimType[optimizer.upper()], device=device, embedding_table_index_type=idx_dtype,
+                  weights_precision=SparseType[case.weights_precision.upper()])
+    return case, specs, kwargs, request.indices.to(idx_dtype), request.offsets.to(idx_dtype), request.per_sample_weights
 
-        scaled = dataclasses.replace(case, num_embeddings_list=tuple(rows), num_embeddings=max(rows))
-    workload = make_workload(scaled, torch.device("cpu"))
-    request = workload.requests[0]
-    indices = request.indices.to(torch.int32 if case.indices_dtype == 32 else torch.int64)
-    offsets = request.offsets.to(indices.dtype)
+
+def _record(shape: str, suite: str, optimizer: str, rows_scale: float, target: int) -> tuple[list[dict], dict]:
+    """(the step's specializations as plain dicts, facts about the step)."""
+    import torch
+
+    from torchrec_triton_tbe import aot
+    from torchrec_triton_tbe.module import TritonTBE
+
+    case, specs, kwargs, indices, offsets, psw = _shape_step(shape, suite, optimizer, rows_scale, torch.device("cpu"))
+    dims = [d for _, d in specs]
     t0 = time.time()
     # Recording lets the module live on CPU tensors with compiled (not interpreted) kernels; whatever
     # its construction launches counts too.
     with aot.recording() as seen:
-        module = TritonTBE(
-            list(zip(rows, dims)), optimizer=EmbOptimType[optimizer.upper()], device="cpu",
-            weights_precision=SparseType[case.weights_precision.upper()], kernel_config=f"sm{target}",
-            embedding_table_index_type=indices.dtype,
-        )
-        out = module(indices, offsets, request.per_sample_weights)
+        module = TritonTBE(specs, kernel_config=f"sm{target}", **kwargs)
+        out = module(indices, offsets, psw)
         out.backward(torch.ones_like(out))
     host_s = time.time() - t0
     specs = [{"module": fn.fn.__module__, "kernel": fn.fn.__name__, "signature": sig, "constexprs": consts,
@@ -80,15 +87,11 @@ def _compile(spec: dict) -> tuple[str, float]:
     """One specialization to cubin, in this process (a pool worker or the main one)."""
     import importlib
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from torchrec_triton_tbe.aot import lower
 
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
     t0 = time.time()
-    triton.compile(ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs),
-                   target=GPUTarget("cuda", spec["target"], 32), options={"num_warps": spec["num_warps"]})
+    lower(fn, spec["signature"], spec["constexprs"], spec["divisible"], spec["num_warps"], spec["target"])
     return spec["kernel"], time.time() - t0
 
 
@@ -122,35 +125,21 @@ def _cold_step(shape: str, suite: str, optimizer: str, rows_scale: float, mode: 
     then time its first training step, with ``mode`` "precompiled" preceded by TritonTBE.precompile."""
     import dataclasses
 
-    import numpy as np
     import torch
 
-    from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
-    from torchrec_triton_tbe.bench.batches import make_workload
-    from torchrec_triton_tbe.bench.case import load_suite
     from torchrec_triton_tbe.module import TritonTBE
     from torchrec_triton_tbe.ops import launch as launch_ops
 
-    _, shapes = load_suite(suite, {})
-    case = [sh.case for sh in shapes if sh.case.name == shape][0]
-    np.random.seed(42)
-    dims = case.table_dims()
-    rows = [max(1, case.bag_size_at(k), round(case.num_embeddings_at(k) * rows_scale)) for k in range(case.num_tables)]
-    case = dataclasses.replace(case, num_embeddings_list=tuple(rows), num_embeddings=max(rows))
-    dev = torch.device("cuda")
-    request = make_workload(case, dev).requests[0]
-    idx_dtype = torch.int32 if case.indices_dtype == 32 else torch.int64
-    indices, offsets = request.indices.to(idx_dtype), request.offsets.to(idx_dtype)
+    _, specs, kwargs, indices, offsets, psw = _shape_step(shape, suite, optimizer, rows_scale, torch.device("cuda"))
     torch.manual_seed(0)
-    module = TritonTBE(list(zip(rows, dims)), optimizer=EmbOptimType[optimizer.upper()], device=dev,
-                       weights_precision=SparseType[case.weights_precision.upper()], embedding_table_index_type=idx_dtype)
+    module = TritonTBE(specs, **kwargs)
     module.init_embedding_weights_uniform(-0.1, 0.1)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    report = module.precompile(indices, offsets, request.per_sample_weights, workers=workers) if mode == "precompiled" else None
+    report = module.precompile(indices, offsets, psw, workers=workers) if mode == "precompiled" else None
     t1 = time.perf_counter()
     cached = len(launch_ops._COMPILED)
-    out = module(indices, offsets, request.per_sample_weights)
+    out = module(indices, offsets, psw)
     out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
     t2 = time.perf_counter()

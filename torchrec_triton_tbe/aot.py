@@ -81,19 +81,24 @@ def specialization(fn, args, kwargs) -> tuple:
     return signature, constexprs, tuple(divisible), num_warps
 
 
-def cubin_compiler(target: int):
-    """A ``compile_fn`` for ``ops/precompile.precompile`` that lowers a recorded launch to a ``target``
-    cubin with ``triton.compile`` (no GPU needed: the AOT gate's and tools/first_step.py's compile)."""
+def lower(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int):
+    """One specialization of ``fn`` compiled for sm_``target`` with ``triton.compile`` (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", target, 32), options={"num_warps": num_warps})
+
+
+def cubin_compiler(target: int):
+    """A ``compile_fn`` for ``ops/precompile.precompile`` that lowers a recorded launch to a ``target``
+    cubin (``lower``)."""
+
     def compile_one(recorded):
-        signature, constexprs, divisible, num_warps = specialization(
-            recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
-        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-        return triton.compile(ASTSource(fn=recorded.kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", target, 32), options={"num_warps": num_warps})
+        spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
+        return lower(recorded.kernel, *spec, target)
 
     return compile_one
 
@@ -268,17 +273,11 @@ def covering_set(seen: dict) -> list:
 
 
 def compile_all(specs: list, targets: list[int]) -> list[dict]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     results = []
     for fn, signature, constexprs, divisible, num_warps in specs:
-        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         for cc in targets:
             t0 = time.time()
-            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
+            compiled = lower(fn, signature, constexprs, divisible, num_warps, cc)
             ptx = compiled.asm["ptx"]
             results.append(
                 {

@@ -51,6 +51,7 @@ from torchrec_triton_tbe.plugin import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEOptions,
     TritonTBESharder,
+    two_d,
     use_fused,
     use_triton_tbe,
 )
@@ -399,13 +400,6 @@ def _dmp_collection_class(setup: Setup) -> type:
     return DMPCollection
 
 
-def _gloo_average(group, tensors) -> None:
-    """DMPCollection's all-reduce hook on gloo, which has no ReduceOp.AVG: sum, then divide."""
-    for t in tensors:
-        dist.all_reduce(t, group=group)
-        t.div_(dist.get_world_size(group))
-
-
 def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr: float, pipeline: bool):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -422,7 +416,7 @@ def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr:
             node_group_size=setup.group_size,
         )
         if not setup.gpu:
-            dmp.set_all_reduce_hook(_gloo_average)
+            dmp.set_all_reduce_hook(two_d.gloo_average)
     else:
         dmp = DistributedModelParallel(
             model,

@@ -29,6 +29,7 @@ import functools
 from typing import Iterable, List
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DMPCollection
 
@@ -40,6 +41,14 @@ _PATCHED = "_triton_tbe_2d_sync"
 def sync_tensors(module: TritonTBE) -> List[torch.Tensor]:
     """The tensors replicas of ``module`` must agree on: its weights, then its optimizer state buffers."""
     return [module.weights] + [getattr(module, state.name) for state in module.spec.optimizer.states]
+
+
+def gloo_average(group, tensors: List[torch.Tensor]) -> None:
+    """A ``DMPCollection.set_all_reduce_hook`` for gloo, which has no ``ReduceOp.AVG`` (the default path's
+    op on NCCL): sum over the replica group, then divide."""
+    for t in tensors:
+        dist.all_reduce(t, group=group)
+        t.div_(dist.get_world_size(group))
 
 
 def _walk(module: nn.Module, seen: set) -> Iterable[nn.Module]:
