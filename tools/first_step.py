@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,12 +101,16 @@ def _worker_init(cache_dir: str) -> None:
     import torchrec_triton_tbe  # noqa: F401  (the kernels' package, as the main process imports it)
 
 
-def _timed_pass(specs: list[dict], workers: int) -> dict:
+def _timed_pass(specs: list[dict], workers: int, pool_kind: str = "process") -> dict:
     with tempfile.TemporaryDirectory(prefix="first_step_cache_") as cache:
         t0 = time.time()
         if workers == 1:
             _worker_init(cache)
             per = [_compile(s) for s in specs]
+        elif pool_kind == "thread":  # what TritonTBE.precompile uses
+            _worker_init(cache)
+            with ThreadPoolExecutor(workers) as pool:
+                per = list(pool.map(_compile, specs))
         else:
             with ProcessPoolExecutor(workers, initializer=_worker_init, initargs=(cache,)) as pool:
                 per = list(pool.map(_compile, specs))
@@ -116,7 +120,7 @@ def _timed_pass(specs: list[dict], workers: int) -> dict:
         entry = by_kernel.setdefault(kernel, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
-    return {"workers": workers, "wall_seconds": round(wall, 2), "sum_of_compiles_seconds": round(sum(s for _, s in per), 2),
+    return {"workers": workers, "pool": pool_kind if workers > 1 else "none", "wall_seconds": round(wall, 2), "sum_of_compiles_seconds": round(sum(s for _, s in per), 2),
             "by_kernel": {k: {"specializations": n, "seconds": round(s, 2)} for k, (n, s) in sorted(by_kernel.items())}}
 
 
@@ -157,7 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", default="h200")
     ap.add_argument("--optimizer", default="exact_rowwise_adagrad")
     ap.add_argument("--target", type=int, default=90, help="compute capability to compile for")
-    ap.add_argument("--workers", default="1,2", help="comma-separated process counts, one timed pass each")
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts, one timed pass each")
+    ap.add_argument("--pool", choices=("process", "thread"), default="process",
+                    help="workers are processes, or threads of this process (as TritonTBE.precompile's)")
     ap.add_argument("--rows-scale", type=float, default=1.0, help="multiply the tables' rows (memory only: the "
                     "specializations do not depend on row counts beyond their int32/int64 choice)")
     ap.add_argument("--json", default=None)
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
         return 2
     os.environ["TRITON_INTERPRET"] = "0"
     specs, facts = _record(args.shape, args.suite, args.optimizer, args.rows_scale, args.target)
-    passes = [_timed_pass(specs, int(w)) for w in args.workers.split(",")]
+    passes = [_timed_pass(specs, int(w), args.pool) for w in args.workers.split(",")]
     import triton
 
     report = {"step": facts, "target": f"sm_{args.target}", "triton": triton.__version__, "cpus": os.cpu_count(),
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
           f"{facts['optimizer']}: {len(specs)} specializations for sm_{args.target} (Triton {triton.__version__}, "
           f"{os.cpu_count()} CPUs)")
     for p in passes:
-        print(f"  {p['workers']} worker(s): {p['wall_seconds']:.1f} s wall, {p['sum_of_compiles_seconds']:.1f} s of compiles")
+        print(f"  {p['workers']} worker(s) ({p['pool']}): {p['wall_seconds']:.1f} s wall, {p['sum_of_compiles_seconds']:.1f} s of compiles")
     for kernel, v in passes[0]["by_kernel"].items():
         print(f"    {kernel:36s} {v['specializations']:3d} x  {v['seconds']:6.1f} s")
     return 0

@@ -594,8 +594,8 @@ def cli() -> None:
     """The command line (``python -m`` and the console script): main(), then exit with its status. After
     a run on several gloo ranks the process leaves without interpreter finalization: gloo's worker
     threads can still hold work objects at exit, and tearing them down then aborts the process
-    ("terminate called without an active exception", SIGABRT, after destroy_process_group: about one
-    torchrun run in eight on the CPU machine; cf. pytorch/pytorch#179291). Output is flushed first and
+    ("terminate called without an active exception", SIGABRT, after destroy_process_group; seen under
+    torchrun on the CPU machine, docs/torchrec.md; cf. pytorch/pytorch#179291). Output is flushed first and
     the process group is already destroyed; a run that raised exits through the exception as usual."""
     rc = main()
     if _GLOO_RANKS:

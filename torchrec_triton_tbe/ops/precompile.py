@@ -3,7 +3,7 @@
 Why: a cold first step compiles every kernel specialization it launches, one after another, on the
 thread that issues the step. tools/first_step.py counts 38 of them for prod_t40_b16k (one forward and
 three backward kernels per D bucket, plus the run metadata and bounds checks): 6.2 s on one core of the
-CPU machine, 3.2 s on two processes, 3.4 s on two threads. The specializations do not depend on each
+CPU machine, 3.2 s on two processes, 3.1 s on two threads (docs/performance.md). The specializations do not depend on each
 other, and Triton's compiler releases the GIL in its MLIR passes and in ptxas, so a thread pool divides
 the compile time by the cores it gets.
 
