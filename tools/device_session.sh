@@ -58,20 +58,25 @@ for step in "$@"; do
       done ;;
     demo) timeout 300 python tools/demo_profile.py --steps 20 --json "$OUT/demo_profile.json" 2>&1 | quiet | tail -8 ;;
     demo-prod)
-      for shape in $(echo "${DEMO_SHAPES:-prod_t40_b16k,prod_t100_b2k}" | tr , ' '); do
-        timeout 280 python tools/demo_profile.py --shape "$shape" --steps 20 --json "$OUT/demo_profile_$shape.json" \
-          2>&1 | quiet | tail -8
+      # Issue 14's end-to-end target: the production-shaped model, fp16 tables, per-rank batches 8 k and 2 k.
+      for run in ${DEMO_RUNS:-prod_t40_b16k:8192 prod_t40_b16k:2048 prod_t100_b2k:2048}; do
+        shape=${run%:*}; b=${run#*:}; tag=${shape}_b$b; echo "-- $tag fp16"
+        timeout 280 python tools/demo_profile.py --shape "$shape" --batch-size "$b" --weights fp16 --steps 20 \
+          --json "$OUT/demo_profile_$tag.json" > "$OUT/demo_profile_$tag.log" 2>&1
+        quiet < "$OUT/demo_profile_$tag.log" | grep -v "^  kernels\|^  host" | tail -4
       done ;;
     first-step)
       # Cold (empty Triton cache) and warm first steps of a production-shaped TorchRec model, fused vs ours
       # (the demo's step-0 row), then where the cold compile time goes on this host's CPUs.
       cache=$(mktemp -d)
-      for kind in cold warm; do
-        echo "$kind:"; TRITON_CACHE_DIR=$cache timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
-          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain 2>&1 | quiet | grep -E "^ +0 |MATCH"
-      done
-      echo "cold, --precompile:"; TRITON_CACHE_DIR=$(mktemp -d) timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
-        --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --steps 2 --loop plain --precompile 2>&1 | quiet | grep -E "^ +0 |MATCH"
+      # Full logs under $OUT; a run without MATCH shows its last lines.
+      demo_step0() {  # name, cache dir, extra demo flags
+        local log="$OUT/first_step_demo_$1.log"; echo "$1:"
+        TRITON_CACHE_DIR=$2 timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
+          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:3}" > "$log" 2>&1
+        grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |MATCH" "$log" || quiet < "$log" | tail -6
+      }
+      demo_step0 cold "$cache"; demo_step0 warm "$cache"; demo_step0 cold_precompile "$(mktemp -d)" --precompile
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
         --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4
       # TritonTBE.precompile: a cold first step plain and precompiled, fresh processes and caches.

@@ -94,9 +94,13 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
 
 
 def _warmup(device: torch.device) -> Callable:
+    # set_device needs an index, and torch.device("cuda") has none: resolve it on the calling thread,
+    # whose current device is the one the module's "cuda" means.
+    index = _launch_device(device) if device.type == "cuda" else None
+
     def compile_one(recorded: launch_ops.Launch):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # CUDA's current device is per thread
+        if index is not None:
+            torch.cuda.set_device(index)  # CUDA's current device is per thread
         return recorded.kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs,
                                       num_warps=recorded.num_warps)
 
