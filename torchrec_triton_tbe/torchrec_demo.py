@@ -666,10 +666,13 @@ def _run(args, setup: Setup) -> int:
     ours, our_opt = _dmp(tables, setup, _switch(plan, lambda p: use_triton_tbe(p, options=options)), sharders,
                          dense_in, args.learning_rate, pipeline)
     # The Triton model starts from the fused model's checkpoint: weights, dense layers, optimizer state.
-    result = ours.load_state_dict(copy.deepcopy(fused.state_dict()))
+    # No deepcopy: loading copies into the destination's own tensors, and a state dict's tables are views
+    # of one flat TBE buffer, whose deepcopy clones the whole buffer per table (prod_t40_b16k: 40 x 5 GiB,
+    # out of memory on the H200).
+    result = ours.load_state_dict(fused.state_dict())
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(f"checkpoint interchange failed: {result}")
-    ours.fused_optimizer.load_state_dict(copy.deepcopy(fused.fused_optimizer.state_dict()))
+    ours.fused_optimizer.load_state_dict(fused.fused_optimizer.state_dict())
     batches = _batches(tables, args, setup, dense_in)
 
     where = ("GPU: compiled Triton vs FBGEMM CUDA TBE" if setup.gpu
@@ -736,10 +739,10 @@ def _run(args, setup: Setup) -> int:
     # The other direction of the checkpoint interchange: the trained Triton model's state into a fresh
     # fused model must be exact.
     back, _ = _dmp(tables, setup, _switch(plan, use_fused), sharders, dense_in, args.learning_rate, pipeline)
-    result = back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    result = back.load_state_dict(ours.state_dict())
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(f"checkpoint interchange failed: {result}")
-    back.fused_optimizer.load_state_dict(copy.deepcopy(ours.fused_optimizer.state_dict()))
+    back.fused_optimizer.load_state_dict(ours.fused_optimizer.state_dict())
     d_back = setup.all_max(max(_max_rel_diff(_embedding_state(back), _embedding_state(ours)),
                                _max_rel_diff(_optimizer_state(back), _optimizer_state(ours))))
     print(f"checkpoint fused -> triton (before step 0) and triton -> fused (now): largest difference {d_back:.1e}")

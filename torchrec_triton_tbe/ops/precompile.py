@@ -101,8 +101,14 @@ def _warmup(device: torch.device) -> Callable:
     def compile_one(recorded: launch_ops.Launch):
         if index is not None:
             torch.cuda.set_device(index)  # CUDA's current device is per thread
-        return recorded.kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs,
-                                      num_warps=recorded.num_warps)
+        compiled = recorded.kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs,
+                                          num_warps=recorded.num_warps)
+        # warmup stops at the cubin; the first launch would still load it and build the kernel's C
+        # launcher (a C compiler run per signature, on an empty cache): do both here, in the pool.
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        return compiled
 
     return compile_one
 
