@@ -147,6 +147,21 @@ def test_generator_reports_zipf_fallback():
     assert r.indices.dtype == torch.int64 and r.offsets.dtype == torch.int64 and r.offsets.numel() == 129
 
 
+def test_workload_ids_are_the_same_in_every_process():
+    """FBGEMM's Zipf ids are permuted by an unseeded NumPy generator unless deterministic_output is set:
+    two processes built different batches from the same seeds (two cold first steps trained apart)."""
+    import subprocess
+
+    code = ("import hashlib, torch, torchrec_triton_tbe; from torchrec_triton_tbe.bench.batches import make_workload; "
+            "from torchrec_triton_tbe.bench.case import BenchCase; "
+            "w = make_workload(BenchCase(name='z', num_tables=2, batch_size=16, bag_size=4, num_embeddings=500, "
+            "embedding_dim=8, alpha=1.15, iters=1), torch.device('cpu')); "
+            "print(hashlib.md5(w.requests[0].indices.numpy().tobytes()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+               for _ in range(2)}
+    assert len(digests) == 1, digests
+
+
 def test_h200_hot_shape_is_hot_with_fbgemms_generator():
     """The suite's hot-row shape at full size through FBGEMM's generator (its NumPy Zipf path on CPU):
     no fallback, and most lookups sit in runs >= 256."""
