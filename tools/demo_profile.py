@@ -55,7 +55,7 @@ def main():
                         embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype)
     options = TritonTBEOptions(index_dtype=index_dtype, hoist_transpose=args.hoist_transpose,
                                fused_bounds_check=args.fused_bounds_check)
-    sharder = TritonTBESharder(fused_params=fused_params)
+    sharder = [TritonTBESharder(fused_params=fused_params)]
     # The plain loop (the one this profile has always timed). _plan returns {module path: plan}:
     # _switch converts each (use_fused on the dict itself would leave it unchanged).
     plan = demo._plan(demo._model(tables, setup, dense_in), tables, args.sharding, setup, False)
