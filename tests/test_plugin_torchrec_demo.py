@@ -83,6 +83,16 @@ def test_demo_on_production_shaped_tables(tmp_path, capsys):
     assert "loop=TrainPipelineSparseDist" in out and "MATCH" in out and "MISMATCH" not in out, out
 
 
+def test_demo_with_fp16_tables(capsys):
+    """--weights fp16: both kernels hold fp16 tables (and round each update stochastically on their own):
+    they agree within four fp16 ulps, and the round trip of checkpoints stays exact."""
+    rc = torchrec_demo.main(SMALL + ["--weights", "fp16", "--sharding", "table_wise"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "weights=fp16" in out and "tolerance 2e-03" in out and "MATCH" in out and "MISMATCH" not in out, out
+    assert "largest difference 0.0e+00" in out, out
+
+
 def test_demo_in_train_pipeline_base_matches(capsys):
     """--loop base: TorchRec's TrainPipelineBase (batch copy overlapped, no pipelined input dist)."""
     rc = torchrec_demo.main(SMALL + ["--loop", "base", "--sharding", "table_wise"])

@@ -690,7 +690,7 @@ def _run(args, setup: Setup) -> int:
                  f"dims {dims[0]}..{dims[-1]} L {min(tables.bag_sizes)}..{max(tables.bag_sizes)}")
     else:
         sizes = (f"rows<={args.num_embeddings} dim={args.embedding_dim} mean L={args.bag_size} alpha={args.alpha}")
-    print(f"tables={len(tables.bags)} {sizes} pooling={pooling} B={args.batch_size} sharding={args.sharding} "
+    print(f"tables={len(tables.bags)} {sizes} weights={args.weights} pooling={pooling} B={args.batch_size} sharding={args.sharding} "
           f"optimizer={args.optimizer} ids={args.index_dtype} options={options}"
           + (f" sequence_tables={len(tables.sequence)}" if tables.sequence else "")
           + (" vbe=variable batch per feature" if args.vbe else ""))
