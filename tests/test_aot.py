@@ -26,8 +26,12 @@ KERNELS = {
     "_backward_long_apply_kernel",
     "_backward_long_fused_kernel",
     "_psw_grad_kernel",
+    "_small_forward_kernel",
+    "_small_backward_partials_kernel",
+    "_small_backward_apply_kernel",
 }
-ATOMIC_FREE = {"_sequence_forward_kernel", "_vbe_layout_kernel", "_backward_short_kernel", "_backward_long_partials_kernel", "_backward_long_apply_kernel",
+ATOMIC_FREE = {"_small_forward_kernel", "_small_backward_partials_kernel", "_small_backward_apply_kernel",
+               "_sequence_forward_kernel", "_vbe_layout_kernel", "_backward_short_kernel", "_backward_long_partials_kernel", "_backward_long_apply_kernel",
                "_psw_grad_kernel", "_linearize_kernel", "_run_flags_kernel", "_run_starts_kernel",
                "_run_chunks_kernel", "_chunk_offsets_kernel", "_repair_offsets_kernel"}
 

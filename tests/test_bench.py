@@ -216,6 +216,9 @@ def test_suites_have_the_required_shapes():
         assert c.num_tables >= 24 and {4, 8} <= dims and any(d & (d - 1) for d in dims)
         assert min(Ls) == 1 and max(Ls) > 100 and min(Es) < 64 and max(Es) > 5_000_000
     assert any(1_000_000 <= c.lookups <= 8_000_000 and c.num_tables >= 50 for c in prod)
+    # The small-table path's tables (the production write-up's: at most 64 rows, D 64-128, 64+ ids a bag).
+    assert any(e <= 64 and 64 <= d <= 128 and L >= 64 for c in prod
+               for e, d, L in zip(c.num_embeddings_list, c.embedding_dim_list, c.bag_size_list))
     dlrm = by_name["dlrm_t26_l1"].case
     assert dlrm.num_tables == 26 and dlrm.bag_size == 1
     for s in shapes:

@@ -226,6 +226,20 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                               device="cpu", kernel_config=long_paths[v % len(long_paths)], **extra)
                 out = m(indices.clone(), offsets.clone())
                 out.backward(torch.ones_like(out))
+            # The small-table path (config small_table), switched on: the layout's tables at 7 rows (E_PAD
+            # 16) and the widest reach (64 rows), every precision, pooling, per-sample weights, optimizer.
+            small = [b.replace_small_table(max_rows=64) for b in long_paths]
+            small_layout = [(7 if k % 2 else 64, d) for k, (_, d) in enumerate(layout)]
+            variants = [(o, {}) for o in optims] + optimizer_variants()
+            for v, (wp, pm, weighted) in enumerate(itertools.product(dtypes, [PoolingMode.SUM, PoolingMode.MEAN],
+                                                                     [False, True])):
+                for u, (opt, extra) in enumerate(variants if v == 0 else variants[v % 2: v % 2 + 1]):
+                    m = TritonTBE(small_layout, weights_precision=wp, optimizer=opt, pooling_mode=pm, device="cpu",
+                                  output_dtype=dtypes[(v + u) % 3], stochastic_rounding=(v + u) % 2 == 0,
+                                  kernel_config=small[(v + u) % len(small)], **extra)
+                    psw = torch.ones(indices.numel(), requires_grad=True) if weighted else None
+                    out = m(indices.clone(), offsets.clone(), psw)
+                    out.backward(torch.ones_like(out))
     return seen
 
 

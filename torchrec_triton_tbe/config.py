@@ -149,6 +149,29 @@ class BackwardConfig:
         return max(1, self.programs)
 
 
+@dataclasses.dataclass(frozen=True)
+class SmallTableConfig:
+    """The small-table path (kernels/small_table.py): tables of at most ``max_rows`` rows (0: none) and
+    at most ``max_dim`` columns, each read by exactly one feature, pool through a per-bag histogram
+    multiplied with the table, and their backward sums the gradient per row the same way (no sort
+    runs, no per-lookup gradient gathers). Fixed-batch pooled forwards only; variable batches (VBE),
+    the fused bounds check and sequence tables keep the generic path for every table."""
+
+    max_rows: int = 0
+    max_dim: int = 128
+    bags: int = 16  # bags per histogram (the dot's M / K): a power of two >= 16
+    groups: int = 8  # histograms per program (the table is loaded once per program)
+    num_warps: int = 4
+
+
+def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
+    known = {f.name for f in dataclasses.fields(SmallTableConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"invalid kernel config {where}: unknown small_table keys {unknown} (known: {sorted(known)})")
+    return SmallTableConfig(**{k: int(v) for k, v in d.items()})
+
+
 # Resident thread blocks per SM, by compute capability (CUDA occupancy tables; 32 on sm_80/90/100).
 _MAX_BLOCKS_PER_SM = {8: 32, 9: 32, 10: 32, 12: 24}
 
@@ -179,10 +202,16 @@ class KernelConfig:
     transpose: TransposeConfig
     backward: BackwardConfig
     source: str = ""
+    small_table: SmallTableConfig = SmallTableConfig()
 
     def replace_backward(self, **changes: int) -> "KernelConfig":
         """A copy with some backward knobs changed (routing sweeps, tuning)."""
         return dataclasses.replace(self, backward=dataclasses.replace(self.backward, **changes))
+
+    def replace_small_table(self, **changes: int) -> "KernelConfig":
+        cfg = dataclasses.replace(self, small_table=dataclasses.replace(self.small_table, **changes))
+        cfg.validate()
+        return cfg
 
     def replace_forward(self, **changes: Any) -> "KernelConfig":
         return dataclasses.replace(self, forward=dataclasses.replace(self.forward, **changes))
@@ -233,6 +262,7 @@ class KernelConfig:
                 graph_cache=int(b.get("graph_cache", 8)),
             ),
             source=source,
+            small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
         )
         cfg.validate()
         return cfg
@@ -283,6 +313,13 @@ class KernelConfig:
         ]:
             if v < least:
                 problems.append(f"{name} must be >= {least}{hint}")
+        st = self.small_table
+        if not 0 <= st.max_rows <= 128:
+            problems.append(f"small_table.max_rows must be in [0, 128] (0: no small tables), got {st.max_rows}")
+        if st.max_dim < 1 or st.groups < 1:
+            problems.append("small_table.max_dim and small_table.groups must be >= 1")
+        if not (pow2(st.bags) and st.bags >= 16) or not pow2(st.num_warps):
+            problems.append("small_table.bags must be a power of two >= 16 and small_table.num_warps a power of two")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

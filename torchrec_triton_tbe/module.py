@@ -48,6 +48,15 @@ _STATE_BUFFERS = ("weights", "momentum1", "momentum2", "row_counter", "learning_
 _UPDATABLE = ("eps", "beta1", "beta2", "weight_decay")
 
 
+def _with_small_tables(plan: TablePlan, config: KernelConfig, nobag: bool) -> TablePlan:
+    """``plan`` with the small-table path's reach of ``config`` (none for sequence tables)."""
+    st = config.small_table
+    rows, dim = (0, 0) if nobag else (st.max_rows, st.max_dim)
+    if (plan.small_max_rows, plan.small_max_dim) == (rows, dim):
+        return plan
+    return dataclasses.replace(plan, small_max_rows=rows, small_max_dim=dim)
+
+
 def _resolve_device(device, specs) -> torch.device:
     if device is not None:
         return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -208,6 +217,8 @@ class TritonTBE(nn.Module):
         # Makes autograd run backward (the fused optimizer) even when no input needs a gradient.
         self.placeholder_autograd_tensor = torch.zeros(0, device=dev, requires_grad=True)
 
+        config = load_config(dev, kernel_config)
+        plan = _with_small_tables(plan, config, pooling_mode == PoolingMode.NONE)
         self._spec = TBESpec(
             plan=plan,
             tensors=PlanTensors.build(plan, dev),
@@ -218,7 +229,7 @@ class TritonTBE(nn.Module):
             optimizer=optim_spec,
             stochastic_rounding=bool(stochastic_rounding),
             bounds=Bounds(self.bounds_check_mode_int),
-            config=load_config(dev, kernel_config),
+            config=config,
             fused_bounds_check=fused_bounds_check,
             hoist_transpose=hoist_transpose,
         )
@@ -246,9 +257,16 @@ class TritonTBE(nn.Module):
         return self._spec.config
 
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
-        """Swap tuning knobs (never changes results)."""
-        self._spec = dataclasses.replace(self._spec, config=load_config(self.current_device, config))
+        """Swap tuning knobs (results change by fp32 summation order at most: the short/long threshold,
+        the long chunk and the small-table path reorder sums)."""
+        config = load_config(self.current_device, config)
+        plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
+        changes = dict(config=config)
+        if plan != self._spec.plan:  # the small tables' buckets moved: new bucket tensors
+            changes.update(plan=plan, tensors=PlanTensors.build(plan, self.current_device))
+        self._spec = dataclasses.replace(self._spec, **changes)
         self._backward_graphs.clear()
+        self._cached_call = None
 
     def _apply(self, fn, *args, **kwargs):
         # Moving or casting buffers invalidates graphs captured on the old ones (their keys would

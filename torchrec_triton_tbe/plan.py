@@ -39,6 +39,7 @@ class Bucket:
     tables: tuple[int, ...]
     key_begin: int  # first sort key of this bucket's tables
     key_end: int  # one past the last
+    small: bool = False  # small tables (kernels/small_table.py), where the call allows that path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,10 @@ class TablePlan:
     dims: tuple[int, ...]  # per table
     feature_table_map: tuple[int, ...]  # per feature
     table_names: tuple[str, ...] = ()
+    # The small-table path's reach (config.SmallTableConfig): tables of at most this many rows (0: none)
+    # and at most small_max_dim columns, read by one feature each, get buckets of their own.
+    small_max_rows: int = 0
+    small_max_dim: int = 0
 
     def table_label(self, k: int) -> str:
         return f"table {k} ({self.table_names[k]!r})" if self.table_names else f"table {k}"
@@ -105,15 +110,28 @@ class TablePlan:
         return max(self.dims) if self.dims else 0
 
     @functools.cached_property
+    def small_tables(self) -> frozenset:
+        """Tables the small-table path may take (see small_max_rows)."""
+        readers = [0] * self.num_tables
+        for k in self.feature_table_map:
+            readers[k] += 1
+        return frozenset(k for k in range(self.num_tables)
+                         if 0 < self.rows[k] <= self.small_max_rows and self.dims[k] <= self.small_max_dim
+                         and readers[k] == 1)
+
+    @functools.cached_property
     def buckets(self) -> tuple[Bucket, ...]:
-        widths = sorted({block_d(d) for d in self.dims})
+        # Generic buckets first, then the small tables' own (per width): each bucket's tables are one
+        # contiguous key range either way.
         buckets, key = [], 0
-        for w in widths:
-            tables = tuple(k for k, d in enumerate(self.dims) if block_d(d) == w)
-            features = tuple(t for t, k in enumerate(self.feature_table_map) if k in tables)
-            begin = key
-            key += sum(self.rows[k] for k in tables)
-            buckets.append(Bucket(w, features, tables, begin, key))
+        for small in (False, True):
+            chosen = [k for k in range(self.num_tables) if (k in self.small_tables) == small]
+            for w in sorted({block_d(self.dims[k]) for k in chosen}):
+                tables = tuple(k for k in chosen if block_d(self.dims[k]) == w)
+                features = tuple(t for t, k in enumerate(self.feature_table_map) if k in tables)
+                begin = key
+                key += sum(self.rows[k] for k in tables)
+                buckets.append(Bucket(w, features, tables, begin, key, small))
         return tuple(buckets)
 
     @functools.cached_property
@@ -143,6 +161,8 @@ class TablePlan:
         specs: Sequence[tuple[int, int]],
         feature_table_map: Optional[Sequence[int]],
         table_names: Optional[Sequence[str]] = None,
+        small_max_rows: int = 0,
+        small_max_dim: int = 0,
     ) -> "TablePlan":
         rows = tuple(int(r) for r, _ in specs)
         dims = tuple(int(d) for _, d in specs)
@@ -160,7 +180,7 @@ class TablePlan:
         names = tuple(table_names or ())
         if names and len(names) != len(rows):
             raise ValueError(f"table_names has {len(names)} entries for {len(rows)} tables")
-        return TablePlan(rows, dims, ftm, names)
+        return TablePlan(rows, dims, ftm, names, int(small_max_rows), int(small_max_dim))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 )
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
+from torchrec_triton_tbe.ops import small_table
 from torchrec_triton_tbe.ops.launch import arg_key, cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
@@ -149,10 +150,15 @@ def fused_update(
     per_sample_weights: Optional[torch.Tensor],
     B: int,
     vbe: Optional[VBELayout] = None,
+    indices: Optional[torch.Tensor] = None,
 ) -> None:
-    """One optimizer step per unique row touched by the batch."""
+    """One optimizer step per unique row touched by the batch. ``indices``: the batch's ids, which the
+    small-table buckets' kernels read (ops/small_table.py); needed when the plan has such buckets."""
     if runs.num_lookups == 0 or B == 0:
         return
+    small = small_table.applies(spec, vbe)
+    if small and indices is None:
+        raise ValueError("fused_update: this plan has small-table buckets, whose backward reads the ids: pass indices")
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
     device = grad_out.device
     weighted = per_sample_weights is not None
@@ -166,8 +172,12 @@ def fused_update(
     fused_long = bcfg.long_path == "fused"
     # One countdown per long run (indexed by its first chunk, unique across buckets).
     counters = torch.zeros(runs.max_chunks, dtype=torch.int32, device=grad_out.device) if fused_long else None
+    optim_state = state.kernel_args()
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
+            continue
+        if small and bucket.small:
+            small_table.backward(spec, k, optim_state, grad_out, indices, offsets, per_sample_weights, B)
             continue
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
@@ -192,7 +202,6 @@ def fused_update(
         # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
         chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
         modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
-        optim_state = state.kernel_args()
         _launch_persistent(
             _backward_short_kernel,
             bcfg,
@@ -306,6 +315,6 @@ def backward_step(
     sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
     if runs is None:
         runs = build_runs(spec, indices, offsets, B)
-    fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe)
+    fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe, indices)
     state.step.add_(1)
     return runs

@@ -1,5 +1,6 @@
 """Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]
-(spread over forward.bucket_streams streams when the forward is large enough).
+(spread over forward.bucket_streams streams when the forward is large enough); small-table buckets
+(ops/small_table.py) first, on the caller's stream, where the call allows that path.
 Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence_block)]."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torchrec_triton_tbe.config import ForwardConfig, tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
+from torchrec_triton_tbe.ops import small_table
 from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, side_streams
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
@@ -82,6 +84,11 @@ def pooled_forward(
     out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
     out_align = None if vbe is None else vbe.out_align
     launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align)
+    if small_table.applies(spec, vbe):
+        for k, bucket in enumerate(spec.plan.buckets):
+            if bucket.small and bucket.features:
+                small_table.forward(spec, k, weights, indices, offsets, per_sample_weights, out, B)
+        launches = [item for item in launches if not spec.plan.buckets[item[0]].small]
     streams = bucket_streams(spec.config.forward, len(launches), indices.numel(), weights.device)
     for i, (k, grid, constexprs, warps) in enumerate(launches):
         args = (

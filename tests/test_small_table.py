@@ -1,0 +1,183 @@
+"""The small-table path (kernels/small_table.py, ops/small_table.py): tables of a few rows pool through a
+per-bag histogram times the table and sum their gradient per row the same way. Same results as the
+generic path (to fp32 summation order) for every optimizer, pooling, per-sample weights and weights
+dtype; the same as FBGEMM's CPU TBE; calls the path cannot take (VBE, the fused bounds check) run
+those tables through the generic kernels."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tbe_cases import (
+    EmbOptimType,
+    PoolingMode,
+    SparseType,
+    assert_close,
+    make_pair,
+    oracle_state,
+    oracle_step,
+    skewed_batch,
+    tolerance,
+)
+from torchrec_triton_tbe.config import load_named
+from torchrec_triton_tbe.ops import small_table as small_ops
+from torchrec_triton_tbe.plan import TablePlan
+
+BASE = load_named("interpreter")
+SMALL = BASE.replace_small_table(max_rows=64, bags=16, groups=2)
+# Tables 0, 1 and 3 are small; table 2 is not (rows); table 4 is read by two features (generic).
+SPECS = [(9, 8), (40, 12), (300, 16), (64, 4), (5, 8)]
+FTM = [0, 1, 2, 3, 4, 4]
+
+
+def _train(config, optimizer, pooling, weighted, weights=SparseType.FP32, steps=2, index_dtype=torch.int64, **kw):
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=config, optimizer=optimizer,
+                        pooling_mode=pooling, weights_precision=weights, learning_rate=0.2, eps=0.05,
+                        weight_decay=0.01, **kw)
+    g = torch.Generator().manual_seed(22)
+    for _ in range(steps):
+        # Bags of up to 48 ids over tables of 5 to 64 rows: small rows repeat within a bag.
+        batch = skewed_batch([r for r, _ in SPECS], FTM, B=20, max_L=48, generator=g, weighted=weighted,
+                             index_dtype=index_dtype)
+        out = ours(batch.indices, batch.offsets, batch.per_sample_weights)
+        out.backward(torch.randn(out.shape, generator=g))
+    return ours
+
+
+def test_plan_gives_small_tables_buckets_of_their_own():
+    plan = TablePlan.build(SPECS, FTM, small_max_rows=64, small_max_dim=128)
+    assert plan.small_tables == {0, 1, 3}
+    small = [(b.block_d, b.tables) for b in plan.buckets if b.small]
+    assert small == [(4, (3,)), (8, (0,)), (16, (1,))]
+    assert [(b.block_d, b.tables) for b in plan.buckets if not b.small] == [(8, (4,)), (16, (2,))]
+    keys = [(b.key_begin, b.key_end) for b in plan.buckets]
+    assert keys[0][0] == 0 and all(a[1] == b[0] for a, b in zip(keys, keys[1:])) and keys[-1][1] == plan.total_rows
+    # Off (the default of every shipped config): the buckets of the plain width grouping.
+    off = TablePlan.build(SPECS, FTM)
+    assert not off.small_tables and [(b.block_d, b.tables) for b in off.buckets] == [(4, (3,)), (8, (0, 4)), (16, (1, 2))]
+    assert TablePlan.build(SPECS, FTM, small_max_rows=64, small_max_dim=8).small_tables == {0, 3}
+    for name in ("interpreter", "sm90", "sm100"):
+        assert load_named(name).small_table.max_rows == 0, name
+
+
+@pytest.mark.parametrize("optimizer,pooling,weighted,weights", [
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, SparseType.FP32),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True, SparseType.FP32),
+    (EmbOptimType.EXACT_SGD, PoolingMode.SUM, True, SparseType.FP16),
+    (EmbOptimType.ADAM, PoolingMode.MEAN, False, SparseType.FP32),
+    (EmbOptimType.LAMB, PoolingMode.SUM, True, SparseType.FP32),
+    (EmbOptimType.PARTIAL_ROWWISE_ADAM, PoolingMode.SUM, False, SparseType.BF16),
+    (EmbOptimType.EXACT_ADAGRAD, PoolingMode.MEAN, False, SparseType.FP32),
+    (EmbOptimType.LARS_SGD, PoolingMode.SUM, False, SparseType.FP32),
+], ids=["rowwise", "rowwise-mean-weighted", "sgd-weighted-fp16", "adam-mean", "lamb-weighted",
+        "partial-adam-bf16", "adagrad-mean", "lars"])
+def test_small_path_trains_as_the_generic_path(optimizer, pooling, weighted, weights):
+    generic = _train(BASE, optimizer, pooling, weighted, weights)
+    small = _train(SMALL, optimizer, pooling, weighted, weights)
+    assert any(b.small for b in small.spec.plan.buckets)
+    # fp16 / bf16 rows: one rounding step of the stored weight where the fp32 sums differ in order.
+    atol, rtol = (2e-6, 2e-6) if weights == SparseType.FP32 else (1e-2, 1e-2)
+    for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
+        assert_close(a.float(), b.float(), f"table {t}", atol=atol, rtol=rtol)
+    for state in ("momentum1", "momentum2", "row_counter"):
+        a, b = getattr(small, state), getattr(generic, state)
+        if a.numel():
+            assert_close(a.float(), b.float(), state, atol=max(atol, 1e-5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_small_path_matches_fbgemm(optimizer, index_dtype):
+    specs, ftm = SPECS[:4], FTM[:4]  # FBGEMM's CPU backward needs a non-decreasing feature_table_map
+    ours, fb = make_pair(specs, ftm, seed=5, kernel_config=SMALL, optimizer=optimizer, learning_rate=0.1, eps=0.1,
+                         embedding_table_index_type=index_dtype, embedding_table_offset_type=index_dtype)
+    assert ours.spec.plan.small_tables == {0, 1, 3}
+    g = torch.Generator().manual_seed(6)
+    tol = tolerance(torch.float32)
+    for step in range(2):
+        batch = skewed_batch([r for r, _ in specs], ftm, B=20, max_L=48, generator=g, index_dtype=index_dtype)
+        out = ours(batch.indices, batch.offsets)
+        grad = torch.randn(out.shape, generator=g)
+        ref = oracle_step(fb, batch, grad)
+        # After a step a small row holds the sum of ~100 gradient rows, and a bag pools ~50 such rows:
+        # fp32 summation order (ours per bag chunk, FBGEMM's per row) moves outputs by ~1e-5 of themselves.
+        assert_close(out, ref, f"step {step}: forward", atol=1e-4, rtol=1e-4)
+        out.backward(grad)
+    tables, states = oracle_state(fb)
+    for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), tables)):
+        assert_close(a, b, f"table {t}", **tol)
+    for t, (a, b) in enumerate(zip(ours.split_optimizer_states(), states)):
+        for x, y in zip(a, b):
+            assert_close(x, y, f"table {t}: state", atol=1e-4, rtol=1e-4)
+
+
+def _refuse_small(*_args, **_kwargs):
+    raise AssertionError("the small-table kernels ran")
+
+
+def test_calls_the_path_cannot_take_run_the_generic_kernels(monkeypatch):
+    # Where it applies, the small kernels do run ...
+    monkeypatch.setattr(small_ops, "forward", _refuse_small)
+    with pytest.raises(AssertionError, match="small-table kernels ran"):
+        _train(SMALL, EmbOptimType.EXACT_SGD, PoolingMode.SUM, False, steps=1)
+    # ... and with the fused bounds check they do not, forward or backward, and training is the generic one.
+    monkeypatch.setattr(small_ops, "backward", _refuse_small)
+    fused = _train(SMALL, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, steps=2, fused_bounds_check=True)
+    generic = _train(BASE, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, steps=2, fused_bounds_check=True)
+    for a, b in zip(fused.split_embedding_weights(), generic.split_embedding_weights()):
+        assert torch.equal(a, b)
+    # Variable batch per feature (VBE): the generic kernels too.
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=1, kernel_config=SMALL)
+    Bs = [3, 5, 2, 4, 1, 6]
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(0, 9, (sum(Bs),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids, at = [], 0
+    for t, b in enumerate(Bs):
+        n = int(lengths[at:at + b].sum())
+        ids.append(torch.randint(0, SPECS[FTM[t]][0], (n,), generator=g))
+        at += b
+    out = ours(torch.cat(ids), offsets, batch_size_per_feature_per_rank=[[b] for b in Bs])
+    out.backward(torch.randn(out.shape, generator=g))
+
+
+def test_switching_the_path_on_mid_training_keeps_training():
+    generic = _train(BASE, EmbOptimType.ADAM, PoolingMode.SUM, False, steps=2)
+    switched, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=BASE, optimizer=EmbOptimType.ADAM,
+                            pooling_mode=PoolingMode.SUM, learning_rate=0.2, eps=0.05, weight_decay=0.01)
+    g = torch.Generator().manual_seed(22)
+    for step in range(2):
+        if step == 1:
+            switched.set_kernel_config(SMALL)
+            assert any(b.small for b in switched.spec.plan.buckets)
+        batch = skewed_batch([r for r, _ in SPECS], FTM, B=20, max_L=48, generator=g)
+        out = switched(batch.indices, batch.offsets)
+        out.backward(torch.randn(out.shape, generator=g))
+    for a, b in zip(switched.split_embedding_weights(), generic.split_embedding_weights()):
+        assert_close(a, b, "weights", atol=2e-6, rtol=2e-6)
+    switched.set_kernel_config(BASE)
+    assert not any(b.small for b in switched.spec.plan.buckets)
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=st.lists(st.integers(1, 64), min_size=1, max_size=3), dim=st.sampled_from([3, 4, 12, 32]),
+       max_L=st.integers(0, 40), B=st.integers(1, 24), mean=st.booleans(), weighted=st.booleans())
+def test_small_forward_equals_generic_forward(rows, dim, max_L, B, mean, weighted):
+    specs = [(r, dim) for r in rows]
+    pooling = PoolingMode.MEAN if mean else PoolingMode.SUM
+    a, _ = make_pair(specs, None, oracle="reference", seed=3, kernel_config=SMALL, pooling_mode=pooling)
+    b, _ = make_pair(specs, None, oracle="reference", seed=3, kernel_config=BASE, pooling_mode=pooling)
+    assert a.spec.plan.small_tables == set(range(len(rows)))
+    batch = skewed_batch(rows, list(range(len(rows))), B=B, max_L=max_L, generator=torch.Generator().manual_seed(B),
+                         weighted=weighted)
+    assert_close(a(batch.indices, batch.offsets, batch.per_sample_weights),
+                 b(batch.indices, batch.offsets, batch.per_sample_weights), "forward", atol=2e-6, rtol=2e-6)
+
+
+def test_hoisted_transpose_changes_nothing_on_the_small_path():
+    plain = _train(SMALL, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, steps=1)
+    hoisted = _train(SMALL, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, steps=1, hoist_transpose=True)
+    for a, b in zip(plain.split_embedding_weights(), hoisted.split_embedding_weights()):
+        assert torch.equal(a, b)
+    assert torch.equal(plain.momentum1, hoisted.momentum1)

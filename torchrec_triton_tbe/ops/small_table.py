@@ -1,0 +1,91 @@
+"""Launch the small-table path (kernels/small_table.py) for the plan's small buckets.
+
+Which tables: the plan gives tables of at most ``small_table.max_rows`` rows and ``max_dim`` columns,
+each read by one feature, buckets of their own (plan.py). Which calls: fixed-batch pooled ones without
+the fused bounds check (``applies``); any other call runs those buckets through the generic kernels,
+which handle every bucket. The choice is made from the spec and the call's host-side facts only: no
+device sync, so captured backwards (ops/graphs.py) replay it as they replay the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from torchrec_triton_tbe.config import tile_warps
+from torchrec_triton_tbe.kernels.small_table import (
+    _small_backward_apply_kernel,
+    _small_backward_partials_kernel,
+    _small_forward_kernel,
+)
+from torchrec_triton_tbe.ops.launch import cdiv, launch
+from torchrec_triton_tbe.ops.spec import TBESpec
+
+
+def applies(spec: TBESpec, vbe) -> bool:
+    """Whether this call takes the small-table path for the plan's small buckets."""
+    return (vbe is None and not spec.nobag and not spec.fused_bounds_check
+            and any(b.small for b in spec.plan.buckets))
+
+
+def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
+    """(E_PAD, BLOCK_D) of small bucket k: the tl.dot operands' sides are at least 16."""
+    bucket = spec.plan.buckets[k]
+    rows = max(spec.plan.rows[t] for t in bucket.tables)
+    return max(16, triton.next_power_of_2(rows)), max(16, bucket.block_d)
+
+
+def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+            per_sample_weights: Optional[torch.Tensor], out: torch.Tensor, B: int) -> None:
+    """Bucket k's pooled outputs into ``out`` ([B, total_D])."""
+    st, tensors = spec.config.small_table, spec.tensors
+    e_pad, bd = _shape(spec, k)
+    weighted = per_sample_weights is not None
+    launch(
+        _small_forward_kernel,
+        (cdiv(B, st.bags * st.groups), len(spec.plan.buckets[k].features)),
+        (weights, indices, offsets, per_sample_weights if weighted else weights, out, tensors.bucket_features[k],
+         tensors.feature_dim, tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, B,
+         spec.plan.total_D),
+        dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
+             GROUPS=st.groups),
+        tile_warps(st.num_warps, max(e_pad, st.bags) * bd),
+    )
+
+
+def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, indices: torch.Tensor,
+             offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], B: int) -> None:
+    """Bucket k's gradients summed per row (partials per bag chunk, reduced in chunk order) and one
+    optimizer step per touched row. ``optim_state``: OptimizerTensors.kernel_args()."""
+    st, tensors, bucket = spec.config.small_table, spec.tensors, spec.plan.buckets[k]
+    e_pad, bd = _shape(spec, k)
+    n_chunks = cdiv(B, st.bags * st.groups)
+    features = len(bucket.features)
+    weighted = per_sample_weights is not None
+    device = grad_out.device
+    # Every slot is written by its chunk's program (zeros included), so no fill is needed; sized from
+    # host ints, as a captured backward requires.
+    partials = torch.empty(features * n_chunks * e_pad * bd, dtype=torch.float32, device=device)
+    counts = torch.empty(features * n_chunks * e_pad, dtype=torch.int32, device=device)
+    warps = tile_warps(st.num_warps, max(e_pad, st.bags) * bd)
+    launch(
+        _small_backward_partials_kernel,
+        (n_chunks, features),
+        (partials, counts, grad_out, indices, offsets, per_sample_weights if weighted else grad_out,
+         tensors.bucket_features[k], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
+         n_chunks),
+        dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
+             GROUPS=st.groups),
+        warps,
+    )
+    launch(
+        _small_backward_apply_kernel,
+        (features,),
+        (*optim_state, partials, counts, tensors.bucket_features[k], tensors.feature_dim, tensors.feature_rows,
+         tensors.feature_weight_offset, tensors.feature_row_offset, n_chunks),
+        dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=bucket.block_d,
+             E_PAD=e_pad),
+        tile_warps(st.num_warps, e_pad * bd),
+    )
