@@ -1,10 +1,16 @@
 """The README's A/B job (torchrec_triton_tbe.torchrec_demo) on a tiny size: it runs, prints one row per
 step with both losses, and reports a match."""
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import plugin_cases  # noqa: F401  (imports the plugin before torchrec)
 from torchrec_triton_tbe import torchrec_demo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_ab_matches(capsys):
@@ -93,6 +99,29 @@ def test_demo_with_fp16_tables(capsys):
     assert "largest difference 0.0e+00" in out, out
 
 
+def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
+    """tools/demo_profile.py as `tools/device_session.sh demo-prod` runs it (a suite shape, a batch size,
+    fp16 tables, --json), here on a tiny suite on the CPU: it once reached the device broken."""
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(
+        "name: tiny\nshapes:\n"
+        "  - name: prod_tiny\n    num_tables: 3\n    batch_size: 8\n"
+        "    num_embeddings_list: [50, 7, 300]\n    embedding_dim_list: [8, 12, 4]\n"
+        "    bag_size_list: [3, 1, 5]\n    alpha_list: [1.15, 1.0, 1.15]\n")
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--shape", "prod_tiny", "--suite", str(suite),
+         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["args"]["weights"] == "fp16" and res["args"]["batch_size"] == 4
+    assert res["interleaved_steps"] == 2 and res["fused_over_triton_median"] > 0
+    for name in ("fused", "triton"):
+        assert len(res[name]["ms"]) == 2 and res[name]["host"], name
+
+
 def test_demo_in_train_pipeline_base_matches(capsys):
     """--loop base: TorchRec's TrainPipelineBase (batch copy overlapped, no pipelined input dist)."""
     rc = torchrec_demo.main(SMALL + ["--loop", "base", "--sharding", "table_wise"])
@@ -110,8 +139,6 @@ def test_demo_semi_sync_needs_a_gpu():
 
 def _torchrun(target: list) -> str:
     import os
-    import subprocess
-    import sys
 
     # torchrun itself, as docs/torchrec.md has users launch it: its env:// rendezvous, LOCAL_RANK, etc.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",

@@ -1,4 +1,5 @@
-"""Where the TorchRec demo's step time goes, `fused` (FBGEMM) vs ours (GPU only).
+"""Where the TorchRec demo's step time goes, `fused` (FBGEMM) vs ours (on a GPU; on a CPU it runs the
+interpreter against FBGEMM's CPU TBE, whose times mean nothing: that is the tool's own test).
 
     python tools/demo_profile.py [--steps 20] [--json out.json]   (demo options as torchrec_demo)
 
@@ -23,8 +24,11 @@ from torchrec_triton_tbe.plugin import TritonTBEOptions, TritonTBESharder, use_f
 def profile_steps(dmp, opt, batches, setup, n=3):
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if setup.gpu:
+        torch.cuda.synchronize()
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         for b in batches[:n]:
             demo._step(dmp, opt, b, setup)
     kernels, host = [], []
@@ -45,8 +49,9 @@ def main():
         i = argv.index("--json")
         out_json = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    args = demo._parse(argv, gpu=True)
-    setup = demo._init_process_group(True)
+    gpu = torch.cuda.is_available()
+    args = demo._parse(argv, gpu=gpu)
+    setup = demo._init_process_group(gpu)
     torch.manual_seed(args.seed)
     tables = demo._tables(args)
     dense_in = 13
@@ -92,7 +97,9 @@ def main():
     if out_json:
         with open(out_json, "w") as f:
             json.dump(res, f, indent=1)
-    torch.distributed.destroy_process_group()
+    if setup.created_pg:
+        torch.distributed.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":
