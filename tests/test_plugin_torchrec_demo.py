@@ -2,6 +2,7 @@
 step with both losses, and reports a match."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -109,10 +110,14 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
         "    num_embeddings_list: [50, 7, 300]\n    embedding_dim_list: [8, 12, 4]\n"
         "    bag_size_list: [3, 1, 5]\n    alpha_list: [1.15, 1.0, 1.15]\n")
     out = tmp_path / "profile.json"
+    # A fresh process of its own, as on the device: not the rendezvous variables the in-process demo
+    # tests left in this process's environment (their port may still be held here).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--shape", "prod_tiny", "--suite", str(suite),
          "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -138,8 +143,6 @@ def test_demo_semi_sync_needs_a_gpu():
 
 
 def _torchrun(target: list) -> str:
-    import os
-
     # torchrun itself, as docs/torchrec.md has users launch it: its env:// rendezvous, LOCAL_RANK, etc.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
            str(plugin_cases.free_port()), *target] + SMALL + ["--sharding", "mixed"]
