@@ -28,6 +28,13 @@ from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
 @triton.jit
+def _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Bucket slot k's feature t, its width D, and the row / column ranges of its table tile."""
+    t = tl.load(bucket_features_ptr + k)
+    return t, tl.load(feature_dim_ptr + t), tl.arange(0, E_PAD), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
                POOLING_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, COUNTS: tl.constexpr,
                BAGS: tl.constexpr, E_PAD: tl.constexpr):
@@ -81,12 +88,9 @@ def _small_forward_kernel(
 ):
     """Grid [cdiv(B, BAGS * GROUPS), T_k]: GROUPS groups of BAGS bags of one small-table feature.
     out_ptr: [B, total_D] (the fixed-batch layout only: no VBE here)."""
-    t = tl.load(bucket_features_ptr + tl.program_id(1))
-    D = tl.load(feature_dim_ptr + t)
+    t, D, rows, cols = _feature(bucket_features_ptr, tl.program_id(1), feature_dim_ptr, E_PAD, BLOCK_D)
     E = tl.load(feature_rows_ptr + t)
     o_col = tl.load(feature_out_offset_ptr + t).to(tl.int64)
-    rows = tl.arange(0, E_PAD)
-    cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     w_ptrs = weights_ptr + tl.load(feature_weight_offset_ptr + t) + rows[:, None].to(tl.int64) * D + cols[None, :]
     table = tl.load(w_ptrs, mask=(rows[:, None] < E) & cmask[None, :], other=0.0).to(tl.float32)
@@ -125,11 +129,8 @@ def _small_backward_partials_kernel(
     partial gradient [E_PAD, BLOCK_D] and lookup counts [E_PAD] (slot k * n_chunks + c)."""
     c = tl.program_id(0)
     k = tl.program_id(1)
-    t = tl.load(bucket_features_ptr + k)
-    D = tl.load(feature_dim_ptr + t)
+    t, D, rows, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
     o_col = tl.load(feature_out_offset_ptr + t).to(tl.int64)
-    rows = tl.arange(0, E_PAD)
-    cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     acc = tl.zeros([E_PAD, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([E_PAD], dtype=tl.int32)
@@ -177,13 +178,10 @@ def _small_backward_apply_kernel(
     its rows the batch touched (a lookup count > 0, per-sample weight or not: as a run of the generic
     path). RNG_D: the bucket's BLOCK_D, so stochastic rounding draws the generic path's bits."""
     k = tl.program_id(0)
-    t = tl.load(bucket_features_ptr + k)
-    D = tl.load(feature_dim_ptr + t)
+    t, D, rows, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
     E = tl.load(feature_rows_ptr + t)
     lr = tl.load(lr_ptr)
     step = tl.load(step_ptr)
-    rows = tl.arange(0, E_PAD)
-    cols = tl.arange(0, BLOCK_D)
     acc = tl.zeros([E_PAD, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([E_PAD], dtype=tl.int32)
     for c in range(0, n_chunks):

@@ -62,13 +62,17 @@ class Launch:
 def remember(recorded: Launch, device, compiled) -> None:
     """Puts a kernel compiled for ``recorded`` (e.g. ahead of time, ops/precompile.py) where ``launch``
     looks first, so the real launch neither binds arguments through Triton nor compiles."""
-    kernel = recorded.kernel
+    _COMPILED[recorded.site(device)] = (compiled, _tail(recorded.kernel, len(recorded.args), recorded.constexprs))
+
+
+def _tail(kernel, num_args: int, constexprs: dict) -> tuple:
+    """The values of ``kernel``'s parameters after its ``num_args`` positional ones, in signature
+    order: ``constexprs``' or the parameter's default (what the launcher is handed after the args)."""
     if hasattr(kernel, "params"):
         params = [(p.name, p.default) for p in kernel.params]
     else:  # an InterpretedFunction (no GPU): its Python signature
         params = [(p.name, p.default) for p in inspect.signature(kernel.fn).parameters.values()]
-    tail = tuple(recorded.constexprs.get(name, default) for name, default in params[len(recorded.args):])
-    _COMPILED[recorded.site(device)] = (compiled, tail)
+    return tuple(constexprs.get(name, default) for name, default in params[num_args:])
 
 
 # device index -> side streams, created on first use and shared by every module on that device (a
@@ -142,8 +146,7 @@ def launch(
     if hit is None:
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
         if hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None:
-            tail = tuple(constexprs.get(p.name, p.default) for p in kernel.params[len(args):])
-            _COMPILED[site] = (compiled, tail)
+            _COMPILED[site] = (compiled, _tail(kernel, len(args), constexprs))
         return compiled
     compiled, tail = hit
     full = (*args, *tail)

@@ -2,10 +2,11 @@
 
 Why: a cold first step compiles every kernel specialization it launches, one after another, on the
 thread that issues the step. tools/first_step.py counts 38 of them for prod_t40_b16k (one forward and
-three backward kernels per D bucket, plus the run metadata and bounds checks): 6.2 s on one core of the
-CPU machine, 3.2 s on two processes, 3.1 s on two threads (docs/performance.md). The specializations do not depend on each
-other, and Triton's compiler releases the GIL in its MLIR passes and in ptxas, so a thread pool divides
-the compile time by the cores it gets.
+three backward kernels per D bucket, plus the run metadata and bounds checks): 12.2 s on one core of
+the H200 host. The specializations do not depend on each other, and Triton's compiler releases the GIL
+in its MLIR passes and in ptxas, so a thread pool overlaps them: 5.6 s on 16 threads there, where 16
+processes took 1.7 s, because its Python front end still holds the GIL (docs/performance.md, "Time to
+first step").
 
 How:
 1. Record. The step (forward, then backward with a ones gradient) is driven once with ``launch``
@@ -93,14 +94,12 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     return recorded
 
 
-def _warmup(device: torch.device) -> Callable:
-    # set_device needs an index, and torch.device("cuda") has none: resolve it on the calling thread,
-    # whose current device is the one the module's "cuda" means.
-    index = _launch_device(device) if device.type == "cuda" else None
+def _warmup(index: int) -> Callable:
+    """Triton's JIT on a pool thread, on device ``index``: set_device needs an index (torch.device("cuda")
+    has none), resolved by the caller on its own thread, whose current device the module's "cuda" means."""
 
     def compile_one(recorded: launch_ops.Launch):
-        if index is not None:
-            torch.cuda.set_device(index)  # CUDA's current device is per thread
+        torch.cuda.set_device(index)  # CUDA's current device is per thread
         compiled = recorded.kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs,
                                           num_warps=recorded.num_warps)
         # warmup stops at the cubin; the first launch would still load it and build the kernel's C
@@ -132,7 +131,6 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     workers = max(1, min(int(workers), len(chosen) or 1))
     if compile_fn is None and (_env.interpreting() or device.type != "cuda"):
         return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False)
-    compile_one = compile_fn or _warmup(device)
     cache_device = device
     if compile_fn is None:
         cache_device = _launch_device(device)  # launch's and Triton's device key: an index
@@ -142,6 +140,7 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
             caches = getattr(r.kernel, "device_caches", None)
             if caches is not None:
                 caches[cache_device]
+    compile_one = compile_fn or _warmup(cache_device)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as pool:
         kernels = list(pool.map(compile_one, chosen))

@@ -26,8 +26,7 @@ from torchrec_triton_tbe.ops.spec import TBESpec
 
 def applies(spec: TBESpec, vbe) -> bool:
     """Whether this call takes the small-table path for the plan's small buckets."""
-    return (vbe is None and not spec.nobag and not spec.fused_bounds_check
-            and any(b.small for b in spec.plan.buckets))
+    return bool(spec.plan.small_tables) and vbe is None and not spec.nobag and not spec.fused_bounds_check
 
 
 def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
