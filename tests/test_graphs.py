@@ -94,10 +94,38 @@ def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
         graphs.run(spec, state, idx, off, grad, None, 1, body)
         i, o, g, w = seen[-1]
         assert i.numel() == padded_lookups(n) and torch.equal(i[:n], idx)
-        assert torch.equal(o, off) and torch.equal(g, grad) and w is None
-        assert i.data_ptr() != idx.data_ptr() and g.data_ptr() != grad.data_ptr()
+        assert torch.equal(o, off) and w is None
+        assert i.data_ptr() != idx.data_ptr() and o.data_ptr() != off.data_ptr()
+        assert g is grad  # the gradient is read in place, not copied (ops/graphs.py)
     assert len(seen) == 4
     assert len(graphs) == 2 and graphs.captures == 0 and graphs.replays == 0
+
+
+def test_gradient_slots_read_in_place_until_the_addresses_vary():
+    """Which graph a gradient replays (ops/graphs.py _Entry.grad_slot): its own address's while a key
+    has fewer than DIRECT_GRAPHS of them; an unaligned one, or one more address after that, the
+    static copy's (None), whose buffer then holds the gradient's values."""
+    from torchrec_triton_tbe.ops import graphs as graph_ops
+
+    m, spec = _spec_with(graph_cache=2)
+    idx, off = torch.arange(6) % 20, torch.tensor([0, 2, 4, 6])
+    entry = graph_ops._Entry(spec, idx, off, None, 8, None)
+    held = []  # alive, so every gradient below has an address of its own
+    for _ in range(graph_ops.DIRECT_GRAPHS):
+        g = torch.randn(1, m.total_D)
+        assert entry.grad_slot(g) == g.data_ptr()
+        entry.graphs[g.data_ptr()] = object()  # what a capture leaves (a graph)
+        assert entry.grad_slot(g) == g.data_ptr()  # its own graph again
+        held.append(g)
+    newcomer = torch.randn(1, m.total_D)
+    assert entry.grad_slot(newcomer) is None  # DIRECT_GRAPHS addresses taken: the copy
+    unaligned = torch.randn(m.total_D + 1)[1:].view(1, -1)
+    assert unaligned.data_ptr() % 16 != 0
+    assert entry.grad_slot(unaligned) is None
+    copy = entry.static_grad(newcomer)
+    assert torch.equal(copy, newcomer) and copy.data_ptr() != newcomer.data_ptr()
+    assert entry.static_grad(unaligned).data_ptr() == copy.data_ptr()  # one buffer, reused
+    assert torch.equal(copy, unaligned)
 
 
 def test_graphs_never_apply_on_cpu_or_when_disabled():

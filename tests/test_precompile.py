@@ -246,3 +246,67 @@ def test_dry_run_of_sequence_and_variable_batch_steps():
     offsets[1:] = lengths.cumsum(0)
     indices = torch.arange(int(offsets[-1])) % 20
     _recorded_equals_real(vbe, indices, offsets, vbe=sizes)
+
+
+_PROCESS_COMPILE = r"""
+import json, sys
+from torchrec_triton_tbe import _env
+_env.RECORD_LAUNCHES = True   # compiled kernels (no interpreter) while the module lives on CPU tensors
+import torch
+from torchrec_triton_tbe import aot
+from torchrec_triton_tbe._fbgemm import EmbOptimType
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops.precompile import precompile
+m = TritonTBE([(50, 8), (40, 128)], feature_table_map=[0, 1, 1], device="cpu",
+              optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+lengths = torch.tensor([1, 3, 0] * 10)
+offsets = torch.zeros(31, dtype=torch.int64)
+offsets[1:] = lengths.cumsum(0)
+indices = torch.arange(int(offsets[-1])) % 40
+jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+report = precompile(m, indices, offsets, workers=2, compile_fn=aot.cubin_compiler(90), pool="process",
+                    job_fn=aot.cubin_job(90))
+print(json.dumps({"specializations": report.specializations, "cache_hits": report.cache_hits, "pool": report.pool,
+                  "worker_errors": list(report.worker_errors), "worker_seconds": report.worker_seconds,
+                  "seconds": report.seconds, "iter": int(m.iter)}))
+"""
+
+
+def test_precompile_workers_fill_the_cache_the_load_phase_hits(tmp_path):
+    """pool="process" on a CPU: the worker processes (torchrec_triton_tbe/_compile_worker.py) compile
+    every specialization into the Triton cache, and the thread phase, compiling the same inputs,
+    finds every one there (Triton's compilation listener says cache hit)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _PROCESS_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["pool"] == "process" and report["worker_errors"] == [] and report["iter"] == 0
+    assert report["specializations"] >= 8
+    assert report["cache_hits"] == report["specializations"], report
+    assert 0 < report["worker_seconds"] <= report["seconds"]
+
+
+def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch):
+    """A job a worker cannot compile comes back as an error naming the kernel (the thread phase then
+    compiles that one itself), not as a crash."""
+    from torchrec_triton_tbe.ops.precompile import compile_in_workers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
+               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    errors = compile_in_workers([bad, dict(bad, name="_nor_this_one")], workers=1)
+    assert [e.split(":")[0] for e in errors] == ["_no_such_kernel", "_nor_this_one"], errors
+    assert all("AttributeError" in e for e in errors)
+
+
+def test_precompile_refuses_an_unknown_pool():
+    from torchrec_triton_tbe.ops.precompile import precompile
+
+    with pytest.raises(ValueError, match="pool must be"):
+        precompile(None, None, None, pool="fork")

@@ -87,9 +87,16 @@ def lower(fn, signature: dict, constexprs: dict, divisible, num_warps: int, targ
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", target, 32), options={"num_warps": num_warps})
+    job = _job(fn, signature, constexprs, divisible, num_warps, target)
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=job["attrs"]),
+                          target=GPUTarget(*job["target"]), options=job["options"])
+
+
+def _job(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int) -> dict:
+    # What ``lower`` hands triton.compile, as ops/precompile.py's compile workers take it.
+    return dict(module=fn.fn.__module__, name=fn.fn.__name__, signature=signature, constexprs=constexprs,
+                attrs={(i,): [["tt.divisibility", 16]] for i in divisible}, target=("cuda", target, 32),
+                options={"num_warps": num_warps})
 
 
 def cubin_compiler(target: int):
@@ -101,6 +108,18 @@ def cubin_compiler(target: int):
         return lower(recorded.kernel, *spec, target)
 
     return compile_one
+
+
+def cubin_job(target: int):
+    """A ``job_fn`` for ``ops/precompile.precompile``: the compile job of a recorded launch for a
+    ``target`` cubin, exactly what ``cubin_compiler(target)`` compiles (so a worker's result is its
+    cache hit)."""
+
+    def job_of(recorded):
+        spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
+        return _job(recorded.kernel, *spec, target)
+
+    return job_of
 
 
 @contextmanager

@@ -340,16 +340,18 @@ class TritonTBE(nn.Module):
     def precompile(self, indices: torch.Tensor, offsets: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor] = None,
                    batch_size_per_feature_per_rank: Optional[list[list[int]]] = None,
-                   workers: Optional[int] = None):
+                   workers: Optional[int] = None, pool: str = "process"):
         """Compiles every kernel specialization a training step on this batch launches, on ``workers``
-        threads at once (default: this process's CPUs), before the step: the step then launches kernels
-        already compiled instead of compiling them one after another (ops/precompile.py). Weights,
+        processes at once (``pool="thread"``: threads; default: this process's CPUs over
+        $LOCAL_WORLD_SIZE), before the step: the step then launches kernels already compiled instead of
+        compiling them one after another (ops/precompile.py). Weights,
         optimizer state and the step counter are unchanged; returns a ``PrecompileReport``. Another
         batch shape may need a few more specializations (other bag lengths, batch sizes); those compile
         on first use as without this call. Nothing to compile under Triton's interpreter."""
         from torchrec_triton_tbe.ops.precompile import precompile
 
-        return precompile(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank, workers)
+        return precompile(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank, workers,
+                          pool=pool)
 
     def _lookup_call(self, spec: TBESpec, B: int, bufs: dict) -> LookupCall:
         """This call's LookupCall, reused while nothing in it changed (building one per call was a

@@ -97,3 +97,27 @@ def test_each_stream_gets_its_own_graphs():
     assert len(g) == 2 and (g.captures, g.replays) == (2, 4)
     assert torch.equal(graphed.weights, eager.weights)
     assert torch.equal(graphed.momentum1, eager.momentum1)
+
+
+def test_gradient_read_in_place_then_copied_when_its_address_varies():
+    """ops/graphs.py reads the output gradient in place: a key's graph replays only for a gradient at
+    the address it was captured on. Four gradients cycled (four addresses): two graphs in place
+    (DIRECT_GRAPHS), then one on a static copy that serves every other address; bitwise as eager."""
+    from torchrec_triton_tbe.ops.graphs import DIRECT_GRAPHS
+
+    graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    idx, off, _ = batch(0)
+    gen = torch.Generator(DEV).manual_seed(5)
+    grads = [torch.randn(512, graphed.total_D, device=DEV, generator=gen) for _ in range(4)]
+    for step in range(10):
+        for m in (graphed, eager):
+            m(idx, off).backward(grads[step % 4])
+    torch.cuda.synchronize()
+    g = graphed._backward_graphs
+    assert len(g) == 1
+    entry = next(iter(g._entries.values()))
+    assert sorted(k is None for k in entry.graphs) == [False] * DIRECT_GRAPHS + [True]
+    assert entry.grad_out is not None
+    assert (g.captures, g.replays) == (DIRECT_GRAPHS + 1, 9)
+    assert torch.equal(graphed.weights, eager.weights)
+    assert torch.equal(graphed.momentum1, eager.momentum1)

@@ -5,7 +5,7 @@ kernels take ~0.25 ms on the H200, but issuing them (autograd, ``torch.sort``, t
 a dozen allocations) took 0.56-0.89 ms of host time (tools/host_profile.py), and a TorchRec step pays
 that once per TBE module. Everything the backward does after the per-sample-weight gradient (run
 metadata, fused update, step counter) is sync-free with buffers sized from N, so it can be captured
-once per shape and replayed for the price of three input copies and one graph launch: 0.13 ms of
+once per shape and replayed for the price of two input copies and one graph launch: 0.13 ms of
 host time, 0.27 ms event-timed on that shape (docs/performance.md).
 
 What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
@@ -13,19 +13,30 @@ count, the dtypes of ids / offsets / gradient / per-sample weights, the addresse
 optimizer state, learning rate, hyper-parameter and step tensors (read at replay time:
 ``set_learning_rate``, ``update_hyper_parameters`` and ``set_optimizer_step`` are seen).
 
+The output gradient is read where it lies, not copied. It is the largest input (B x total_D, 4 bytes
+an element: 0.87 GB at 65,536 bags of 26 x 128 columns), and a copy into a static buffer cost as much
+GPU time as the backward's own read of it (dlrm_t26_l1 0.63 -> 1.03 ms, hot_zipf15_l1 1.14 -> 2.15 ms on
+the H200, docs/performance.md "Backward graphs and the gradient copy"). A graph captured on a gradient
+at address A replays only for a gradient at A (same shape and dtype: part of the key), so it reads the
+caller's live tensor. In a training loop the caching allocator hands autograd the same block step
+after step, so one graph serves; a key captures at most ``DIRECT_GRAPHS`` such graphs, and once its
+gradient has turned up at more addresses than that, it captures one more graph on a static copy
+(the old way) and replays that for every address it has no graph of.
+
 Varying batch sizes: N is rounded up to a multiple of 2**(bit_length(N) - 1 - PAD_BITS), so a workload
 whose N moves by a few percent replays a handful of graphs instead of capturing one per batch. Slots
 past the real N are lookups outside every bag (positions >= offsets[T*B]): the transpose gives them
 the sentinel key, so they sort last, fall outside every bucket and change no result; the replay is
 bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_graphs.py).
 
-Lifecycle of a key: the first call runs eagerly on the key's static buffers (compiles every
+Lifecycle of a key: the first call runs eagerly on the key's static ids and offsets (compiles every
 specialization and learns the persistent grids, which a capture must not do); the second captures
-and replays; later calls replay. A module's live graphs of one stream share one memory pool;
+and replays; later calls replay, or capture once more for a new gradient address (above). A module's live graphs of one stream share one memory pool;
 everything allocated inside a capture is scratch of that replay only. At most
 ``backward.graph_cache`` keys per module (least recently used dropped); each holds static copies of
-its inputs (ids, offsets and the gradient: 11 MB at FBGEMM's default shape), and the pool the scratch
-of the largest capture. Keys are per stream. Capture runs on a side stream ordered after the current
+its ids, offsets and per-sample weights (8 + 4 bytes per lookup at most: 3.9 MB at FBGEMM's default
+shape), the gradient's only once it falls back to a copy, and the pool the scratch of the largest
+capture. Keys are per stream. Capture runs on a side stream ordered after the current
 one with stream waits, never a host sync; inside somebody else's capture (a user graphing the whole
 step) the backward runs eagerly into that capture.
 """
@@ -42,6 +53,8 @@ from torchrec_triton_tbe import _env
 # N rounds up to 1/2**PAD_BITS of its leading power of two (at most 12.5 % padding, which is sorted
 # and skipped: a few microseconds on the batches that take this path).
 PAD_BITS = 3
+# Graphs per key that read the gradient in place, one per address it was seen at (see above).
+DIRECT_GRAPHS = 2
 
 
 def padded_lookups(n: int) -> int:
@@ -53,25 +66,39 @@ def padded_lookups(n: int) -> int:
 
 
 class _Entry:
-    """One key's static inputs and, from its second call on, its graph."""
+    """One key's static inputs and, from its second call on, its graphs."""
 
-    def __init__(self, spec, indices, offsets, grad_out, psw, n_static: int, stream) -> None:
+    def __init__(self, spec, indices, offsets, psw, n_static: int, stream) -> None:
         self.spec = spec  # keeps id(spec) in the key unique while the entry lives
         self.stream = stream  # the stream its copies and replays go on (None on a CPU)
         self.indices = torch.zeros(n_static, dtype=indices.dtype, device=indices.device)
         self.offsets = torch.empty_like(offsets)
-        self.grad_out = torch.empty_like(grad_out)
         self.psw = torch.zeros(n_static, dtype=psw.dtype, device=psw.device) if psw is not None else None
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.grad_out: Optional[torch.Tensor] = None  # the static copy, made once the addresses vary
+        # Gradient address -> graph reading it in place; None -> the graph reading self.grad_out.
+        self.graphs: "dict[Optional[int], torch.cuda.CUDAGraph]" = {}
         self.calls = 0
 
-    def load(self, indices, offsets, grad_out, psw) -> None:
+    def load(self, indices, offsets, psw) -> None:
         # Slots [N, n_static) keep whatever an earlier batch left: they are outside every bag.
         self.indices[: indices.numel()].copy_(indices)
         self.offsets.copy_(offsets)
-        self.grad_out.copy_(grad_out)
         if psw is not None:
             self.psw[: psw.numel()].copy_(psw)
+
+    def grad_slot(self, grad_out: torch.Tensor) -> Optional[int]:
+        """The graph this gradient replays: its address's, or None (the static copy's)."""
+        ptr = grad_out.data_ptr()
+        direct = sum(k is not None for k in self.graphs)
+        if ptr in self.graphs or (direct < DIRECT_GRAPHS and ptr % 16 == 0 and grad_out.is_contiguous()):
+            return ptr
+        return None
+
+    def static_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        if self.grad_out is None:
+            self.grad_out = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
+        self.grad_out.copy_(grad_out)
+        return self.grad_out
 
 
 class BackwardGraphs:
@@ -135,21 +162,25 @@ class BackwardGraphs:
         )
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(spec, indices, offsets, grad_out, per_sample_weights, n_static, stream)
+            entry = _Entry(spec, indices, offsets, per_sample_weights, n_static, stream)
             self._entries[key] = entry
             while len(self._entries) > max(1, spec.config.backward.graph_cache):
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        entry.load(indices, offsets, grad_out, per_sample_weights)
-        statics = (entry.indices, entry.offsets, entry.grad_out, entry.psw)
+        entry.load(indices, offsets, per_sample_weights)
+        slot = entry.grad_slot(grad_out)
+        # A graph of this slot reads the gradient in place; the copy's graph reads the static buffer.
+        grad = grad_out if slot is not None else entry.static_grad(grad_out)
+        statics = (entry.indices, entry.offsets, grad, entry.psw)
         entry.calls += 1
-        if entry.graph is None and entry.calls == 1:
+        if not entry.graphs and entry.calls == 1:
             body(*statics)
             return
-        if entry.graph is None:
-            entry.graph = self._capture(body, statics, device, stream)
-        entry.graph.replay()
+        graph = entry.graphs.get(slot)
+        if graph is None:
+            graph = entry.graphs[slot] = self._capture(body, statics, device, stream)
+        graph.replay()
         self.replays += 1
 
     def _capture(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
@@ -160,7 +191,7 @@ class BackwardGraphs:
         # in it is per-replay scratch, and replays on one stream never overlap). With none left, a new
         # pool: a pool whose graphs were all dropped cannot be joined again (PyTorch asserts on its
         # zero use count).
-        live = next((e.graph for e in self._entries.values() if e.graph is not None and e.stream == stream), None)
+        live = next((g for e in self._entries.values() if e.stream == stream for g in e.graphs.values()), None)
         graph = torch.cuda.CUDAGraph()
         # Stream order, not a host sync: the side stream starts after the static copies above.
         self._side.wait_stream(current)

@@ -1,12 +1,11 @@
-"""Compile a training step's kernels before the step, on several threads at once.
+"""Compile a training step's kernels before the step: in worker processes, then load them on threads.
 
 Why: a cold first step compiles every kernel specialization it launches, one after another, on the
 thread that issues the step. tools/first_step.py counts 38 of them for prod_t40_b16k (one forward and
 three backward kernels per D bucket, plus the run metadata and bounds checks): 12.2 s on one core of
-the H200 host. The specializations do not depend on each other, and Triton's compiler releases the GIL
-in its MLIR passes and in ptxas, so a thread pool overlaps them: 5.6 s on 16 threads there, where 16
-processes took 1.7 s, because its Python front end still holds the GIL (docs/performance.md, "Time to
-first step").
+the H200 host, 1.7 s on 16 processes. Threads alone reach 5.6 s there: Triton's compiler releases the
+GIL in its MLIR passes and in ptxas, but its Python front end (AST to TTIR) holds it
+(docs/performance.md, "Time to first step").
 
 How:
 1. Record. The step (forward, then backward with a ones gradient) is driven once with ``launch``
@@ -16,10 +15,18 @@ How:
    step counter it advanced, the last-run statistics; it runs on a graph cache of its own (a graph the
    module captured earlier would be replayed, and replays are not launches).
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
-2. Compile. Each distinct specialization goes through Triton's own JIT (``JITFunction.warmup``: its
-   binder, its cache key, its on-disk cache) on a thread pool, with the module's device current in each
-   thread.
-3. Hand over. Each compiled kernel goes into ``launch``'s cache under the key the real launch will look
+2. Compile in processes (``pool="process"``, the default). For each distinct specialization, Triton's
+   own JIT binds the recorded arguments and is stopped at its call into the compiler
+   (``_jit_job``): what it would compile (the ASTSource's signature, constexprs and attributes, the
+   target, the options) is exactly what the workers compile, with ``triton.compile`` into this
+   process's Triton cache (torchrec_triton_tbe/_compile_worker.py, a script that imports Triton and
+   the kernels, not torch). Same inputs, same cache key.
+3. Load on threads. Each specialization then goes through the JIT for real (``JITFunction.warmup``:
+   its binder, its cache key, its on-disk cache, now a hit; a job a worker failed is compiled here),
+   with the kernel's module loaded and its launcher built (``_init_handles``), on a thread pool with
+   the module's device current in each thread. The report counts the cache hits. ``pool="thread"``
+   skips step 2 and compiles on the threads.
+4. Hand over. Each compiled kernel goes into ``launch``'s cache under the key the real launch will look
    up (``launch.remember``), so the step finds it without Triton's per-call binding.
 
 Under Triton's interpreter nothing is compiled: the report says so, and the step runs as it would.
@@ -31,6 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -51,8 +62,12 @@ class PrecompileReport:
     specializations: int  # distinct ones among them: what was compiled
     kernels: tuple  # kernel names, one per specialization
     workers: int
-    seconds: float  # wall time of the compile (0 under the interpreter)
+    seconds: float  # wall time of the compile and load, both phases (0 under the interpreter)
     compiled: bool  # False under Triton's interpreter (nothing to compile)
+    pool: str = "thread"  # "process": workers compiled, threads loaded; "thread": threads did both
+    worker_seconds: float = 0.0  # the processes' phase (wall)
+    worker_errors: tuple = ()  # "kernel: error" per job a worker failed (the thread phase compiled it)
+    cache_hits: int = 0  # thread-phase compiles that found their kernel in the Triton cache
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -115,22 +130,29 @@ def _warmup(index: int) -> Callable:
 def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                per_sample_weights: Optional[torch.Tensor] = None,
                batch_size_per_feature_per_rank: Optional[list] = None,
-               workers: Optional[int] = None, compile_fn: Optional[Callable] = None) -> PrecompileReport:
-    """Records one training step of ``module`` on this batch (``record_step``) and compiles its distinct
-    kernel specializations on ``workers`` threads (default: the CPUs this process may use).
-    ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup`` (tests)."""
+               workers: Optional[int] = None, compile_fn: Optional[Callable] = None,
+               pool: str = "process", job_fn: Optional[Callable] = None) -> PrecompileReport:
+    """Records one training step of ``module`` on this batch (``record_step``), compiles its distinct
+    kernel specializations on ``workers`` processes and loads them on as many threads (``pool``
+    "process"), or compiles them on the threads (``pool`` "thread"). ``workers`` defaults to the CPUs
+    this process may use, divided by $LOCAL_WORLD_SIZE when a launcher set it (one process per GPU
+    sharing the host's cores). ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup``
+    and ``job_fn(launch) -> job`` the JIT's compile inputs (tests: aot.cubin_compiler, aot.cubin_job);
+    a ``compile_fn`` without a ``job_fn`` compiles on the threads alone (the report says "thread")."""
+    if pool not in ("process", "thread"):
+        raise ValueError(f"precompile: pool must be 'process' or 'thread', not {pool!r}")
+    if compile_fn is not None and job_fn is None:
+        pool = "thread"  # a replaced compile has no JIT inputs to hand the workers
     recorded = record_step(module, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
     device = module.current_device
     unique: dict = {}
     for r in recorded:
         unique.setdefault(r.site(device), r)
     chosen = list(unique.values())
-    names = tuple(r.kernel.fn.__name__ if hasattr(r.kernel, "fn") else str(r.kernel) for r in chosen)
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = max(1, min(int(workers), len(chosen) or 1))
+    names = tuple(_name(r) for r in chosen)
+    workers = max(1, min(default_workers() if workers is None else int(workers), len(chosen) or 1))
     if compile_fn is None and (_env.interpreting() or device.type != "cuda"):
-        return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False)
+        return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool)
     cache_device = device
     if compile_fn is None:
         cache_device = _launch_device(device)  # launch's and Triton's device key: an index
@@ -140,15 +162,144 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
             caches = getattr(r.kernel, "device_caches", None)
             if caches is not None:
                 caches[cache_device]
-    compile_one = compile_fn or _warmup(cache_device)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as pool:
-        kernels = list(pool.map(compile_one, chosen))
+    worker_errors: tuple = ()
+    if pool == "process":
+        if job_fn is None:
+            with torch.cuda.device(device):
+                jobs = [_jit_job(r) for r in chosen]
+        else:
+            jobs = [job_fn(r) for r in chosen]
+        worker_errors = compile_in_workers([j for j in jobs if j is not None], workers)
+    worker_seconds = time.perf_counter() - t0
+    compile_one = compile_fn or _warmup(cache_device)
+    hits = []
+    with _count_cache_hits(hits), ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as threads:
+        kernels = list(threads.map(compile_one, chosen))
     seconds = time.perf_counter() - t0
     for r, compiled in zip(chosen, kernels):
         if compiled is not None:
             launch_ops.remember(r, cache_device, compiled)
-    return PrecompileReport(len(recorded), len(chosen), names, workers, seconds, compiled=True)
+    return PrecompileReport(len(recorded), len(chosen), names, workers, seconds, compiled=True, pool=pool,
+                            worker_seconds=worker_seconds if pool == "process" else 0.0,
+                            worker_errors=worker_errors, cache_hits=sum(hits))
+
+
+def default_workers() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return max(1, cpus // max(1, local))
+
+
+def _name(r: launch_ops.Launch) -> str:
+    return r.kernel.fn.__name__ if hasattr(r.kernel, "fn") else str(r.kernel)
+
+
+class _Intercepted(Exception):
+    pass
+
+
+def _jit_job(recorded: launch_ops.Launch) -> Optional[dict]:
+    """What Triton's JIT would hand ``triton.compile`` for this launch, as a worker job: the JIT binds
+    the arguments and computes its key as for a real launch, and is stopped at its compiler call (the
+    ``compile`` its binder stores on the kernel, Triton 3.6 and 3.8), before it caches anything. None
+    when it does not get that far: the kernel is in the JIT's memory already, a jit_cache_hook took
+    over, or Triton's async compile mode is on (its compile runs elsewhere)."""
+    from triton.runtime import _async_compile
+
+    kernel = recorded.kernel
+    if "compile" not in getattr(kernel, "__dict__", {}) or _async_compile.active_mode.get() is not None:
+        return None
+    seen: list = []
+
+    def intercept(src, target=None, options=None, **_):
+        seen.append((src, target, options))
+        raise _Intercepted
+
+    own = kernel.__dict__["compile"]
+    kernel.compile = intercept
+    try:
+        kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs, num_warps=recorded.num_warps)
+    except _Intercepted:
+        pass
+    finally:
+        kernel.compile = own
+    if not seen:
+        return None
+    src, target, options = seen[0]
+    return dict(module=kernel.fn.__module__, name=kernel.fn.__name__, signature=dict(src.signature),
+                constexprs=dict(src.constants), attrs=dict(src.attrs),
+                target=(target.backend, target.arch, target.warp_size), options=dict(options))
+
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_compile_worker.py")
+
+
+def compile_in_workers(jobs: list, workers: int) -> tuple:
+    """Compiles ``jobs`` (``_jit_job``'s dicts) on up to ``workers`` processes into this process's
+    Triton cache; returns "kernel: error" per job that failed. Workers run the script
+    torchrec_triton_tbe/_compile_worker.py with this interpreter; each gets every n-th job."""
+    if not jobs:
+        return ()
+    from triton import knobs
+
+    env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
+    n = max(1, min(int(workers), len(jobs)))
+    chunks = [jobs[i::n] for i in range(n)]
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_") as logs:
+        for i, chunk in enumerate(chunks):
+            err = open(os.path.join(logs, f"{i}.err"), "w+b")
+            proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err, env=env)
+            proc.stdin.write(pickle.dumps(chunk))  # the worker reads all of stdin before it writes
+            proc.stdin.close()
+            procs.append((proc, err, chunk))
+        errors = []
+        for proc, err, chunk in procs:
+            out = proc.stdout.read()
+            proc.stdout.close()
+            rc = proc.wait()
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
+            err.close()
+            results = pickle.loads(out) if rc == 0 and out else None
+            if results is None:
+                errors += [f"{job['name']}: worker exited {rc}: {' '.join(tail)[:300]}" for job in chunk]
+                continue
+            errors += [f"{job['name']}: {msg}" for job, (_, msg) in zip(chunk, results) if msg is not None]
+    return tuple(errors)
+
+
+class _count_cache_hits:
+    """Counts ``triton.compile`` calls that hit the cache while active (Triton's compilation listener,
+    chained to one already set)."""
+
+    def __init__(self, hits: list) -> None:
+        self.hits = hits
+
+    def __enter__(self):
+        from triton import knobs
+
+        self.prev = knobs.compilation.listener
+
+        def listener(*, cache_hit=False, **kwargs):
+            if cache_hit:
+                self.hits.append(1)
+            if self.prev is not None:
+                self.prev(cache_hit=cache_hit, **kwargs)
+
+        knobs.compilation.listener = listener
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+
+        knobs.compilation.listener = self.prev
+        return False
 
 
 def _launch_device(device: torch.device):

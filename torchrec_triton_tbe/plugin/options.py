@@ -61,7 +61,7 @@ class TritonTBEOptions:
       gradient (backward) is NaN or infinite, leaving weights and optimizer state untouched
       (docs/reliability.md). One host sync per checked tensor; off by default, as in FBGEMM.
     * ``precompile``: on its first forward, each kernel module first compiles every kernel a training
-      step on that batch launches, on a thread pool (``TritonTBE.precompile``), instead of compiling
+      step on that batch launches, in worker processes (``TritonTBE.precompile``), instead of compiling
       them one after another as the step reaches them. Changes when compiling happens, nothing else.
     """
 
