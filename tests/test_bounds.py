@@ -4,6 +4,8 @@ bounds_check_indices on the CPU, fused into the forward kernel or not."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tbe_cases import BoundsCheckMode, EmbOptimType, assert_close, make_pair
 
@@ -154,3 +156,53 @@ def test_offsets_repair_across_blocks_counts_and_clears(monkeypatch, mode):
     assert int(m._bounds_repair_flag) == 0
     m(good_idx, good_off)
     assert int(m.bounds_check_warning) == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_flat_id_check_attributes_each_id_to_its_feature(data):
+    """The id check is one flat pass whose programs find each id's feature by a binary search over the
+    features' first offsets (kernels/bounds.py). Random feature counts (one included: Triton's 1
+    constant), empty features and bags, ids just outside their own table but inside another's, blocks
+    smaller than a feature: repaired ids and the WARNING count equal FBGEMM's CPU bounds_check_indices,
+    and FATAL names the first bad position."""
+    from torchrec_triton_tbe.ops import bounds as bounds_ops
+
+    rows = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=4), label="rows")
+    ftm = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=6), label="ftm")
+    B = data.draw(st.integers(1, 5), label="B")
+    T = len(ftm)
+    lengths = data.draw(st.lists(st.integers(0, 4), min_size=T * B, max_size=T * B), label="lengths")
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    ids, bad = [], []
+    for t in range(T):
+        n = int(offsets[(t + 1) * B] - offsets[t * B])
+        # No -1: FBGEMM's CPU check leaves it alone (its pruned-row marker), ours repairs it (docs/design.md).
+        drawn = data.draw(st.lists(st.integers(-3, rows[ftm[t]] + 2).filter(lambda v: v != -1), min_size=n,
+                                   max_size=n), label=f"ids{t}")
+        bad += [len(ids) + j for j, v in enumerate(drawn) if not 0 <= v < rows[ftm[t]]]
+        ids += drawn
+    indices = torch.tensor(ids, dtype=torch.int64)
+    specs = [(r, 4) for r in rows]
+    saved = bounds_ops.IDS_BLOCK
+    bounds_ops.IDS_BLOCK = 16  # several programs per feature (the interpreter stays fast)
+    try:
+        for mode in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE):
+            fb_idx, fb_off, fb_warning = indices.clone(), offsets.clone(), torch.zeros(1, dtype=torch.int64)
+            rows_per_feature = torch.tensor([rows[k] for k in ftm], dtype=torch.int64)
+            torch.ops.fbgemm.bounds_check_indices(rows_per_feature, fb_idx, fb_off, int(mode), fb_warning)
+            m, _ = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode)
+            our_idx = indices.clone()
+            m(our_idx, offsets.clone())
+            assert torch.equal(our_idx, fb_idx), (our_idx, fb_idx)
+            if mode == BoundsCheckMode.WARNING:
+                assert int(m.bounds_check_warning) == int(fb_warning) == len(bad)
+        m, _ = make_pair(specs, ftm, oracle="reference", bounds_check_mode=BoundsCheckMode.FATAL)
+        if bad:
+            with pytest.raises(ValueError, match=rf"indices\[{bad[0]}\] = "):
+                m(indices.clone(), offsets.clone())
+        else:
+            m(indices.clone(), offsets.clone())
+    finally:
+        bounds_ops.IDS_BLOCK = saved

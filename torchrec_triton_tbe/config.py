@@ -132,8 +132,9 @@ class BackwardConfig:
     # 4.02 ms with 4 (docs/performance.md).
     tile_fp32: Optional[KnobTable] = None
     # Backwards of at most this many lookups replay from CUDA graphs (ops/graphs.py; 0: never): they are
-    # launch-bound, and the replay copies the gradient, ids and offsets once more (larger batches are
-    # GPU-bound and would only pay the copies). At most graph_cache captured shapes per module.
+    # launch-bound, and the replay copies the ids and offsets once more (the gradient is read in place;
+    # larger batches are GPU-bound and would only pay the copies). At most graph_cache captured shapes
+    # per module.
     graph_max_lookups: int = 0
     graph_cache: int = 8
 

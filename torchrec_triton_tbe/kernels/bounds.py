@@ -3,15 +3,15 @@
 Offsets (WARNING / IGNORE): a parallel check counts the bad bags and raises a device flag; a
 one-program repair then runs FBGEMM's sequential per-bag repair (a running max over clamped offsets,
 see ops/bounds.py) only when the flag is up, so valid batches cost two small launches and no
-host-side tensor ops. Ids: one program per BAGS bags of one feature, reading each id once (4 or 8
-bytes per lookup) and writing only the ids they repair. The same device function repairs ids inside
+host-side tensor ops. Ids: one flat pass over the id positions, each id's feature found by a binary
+search over the features' first offsets, reading each id once (4 or 8 bytes per lookup) and writing
+only the ids it repairs. The same device function repairs ids inside
 the forward kernel when the check is fused.
 """
 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.common import bag_bounds
 
 # Modes of the id check (ops/bounds.py maps FBGEMM's BoundsCheckMode onto them).
 REPAIR_OFF: tl.constexpr = tl.constexpr(0)
@@ -40,12 +40,20 @@ def _check_indices_kernel(
     first_bad_ptr,
     B,
     N,
+    T,
+    steps,
     MODE: tl.constexpr,
-    GATHER: tl.constexpr,
-    BAGS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BAGS), T]. Offsets must already be valid (repaired or checked).
+    Grid: [cdiv(N, BLOCK)], over id positions j in [p * BLOCK, (p + 1) * BLOCK): every id inside a bag
+    (offsets[0] <= j < offsets[T * B]) is checked against its feature's rows. Offsets must already be
+    valid (repaired or checked), so they are non-decreasing and feature t owns [offsets[t * B],
+    offsets[(t + 1) * B]); j's feature is the largest t with offsets[t * B] <= j (empty features share
+    their successor's start), found by a binary search of ``steps`` = bit_length(T) halvings over the T
+    starts (L1-resident). Why flat and not per bag: a program per few bags read long bags GATHER ids
+    at a time (0.196 ms against FBGEMM's 0.107 on the production-shaped step at B = 8,192, bags of 1 to
+    120); here every id costs the same, and the loads are coalesced.
 
     indices_ptr: [N] int32/int64 ids (repaired in place unless MODE == CHECK_ONLY).
     offsets_ptr: [T*B + 1] bag boundaries.
@@ -53,31 +61,32 @@ def _check_indices_kernel(
     warning_ptr: int64[1] count of repaired ids (MODE == REPAIR_COUNT).
     first_bad_ptr: int64[1] smallest bad position, pre-filled with N = len(indices) (MODE == CHECK_ONLY).
     """
-    pid_b = tl.program_id(0)
-    t = tl.program_id(1)
-    num_rows = tl.load(feature_rows_ptr + t)
-    g = tl.arange(0, GATHER)
-    nbad = tl.full([], 0, tl.int32)
-    first_bad = tl.full([], 0, tl.int64) + N
-    for bb in tl.static_range(BAGS):
-        b = pid_b * BAGS + bb
-        if b < B:
-            bag, start, end = bag_bounds(offsets_ptr, t, b, B)
-            for j in range(start, end, GATHER):
-                lmask = (j + g) < end
-                idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
-                if MODE == CHECK_ONLY:
-                    bad = lmask & ((idx < 0) | (idx >= num_rows))
-                    first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, j + g, N), axis=0))
-                else:
-                    idx, n = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
-                    nbad += n
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    zero = tl.zeros([], dtype=tl.int64)  # int64 products whether T, B are runtime ints or Triton's 1 constants
+    first = tl.load(offsets_ptr).to(tl.int64)
+    last = tl.load(offsets_ptr + (zero + T) * B).to(tl.int64)
+    live = (j >= first) & (j < last) & (j < N)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + (T - 1)
+    for _ in range(0, steps):
+        active = live & (lo < hi)
+        mid = lo + (hi - lo + 1) // 2
+        start = tl.load(offsets_ptr + mid.to(tl.int64) * B, mask=active, other=0)
+        go = start <= j
+        lo = tl.where(active & go, mid, lo)
+        hi = tl.where(active & ~go, mid - 1, hi)
+    num_rows = tl.load(feature_rows_ptr + lo, mask=live, other=1)
+    idx = tl.load(indices_ptr + j, mask=live, other=0)
     if MODE == CHECK_ONLY:
+        bad = live & ((idx < 0) | (idx >= num_rows))
+        first_bad = tl.min(tl.where(bad, j, N), axis=0)
         if first_bad < N:
             tl.atomic_min(first_bad_ptr, first_bad)
-    if MODE == REPAIR_COUNT:
-        if nbad > 0:
-            tl.atomic_add(warning_ptr, nbad.to(tl.int64))
+    else:
+        idx, nbad = repair_indices(indices_ptr + j, idx, live, num_rows)
+        if MODE == REPAIR_COUNT:
+            if nbad > 0:
+                tl.atomic_add(warning_ptr, nbad.to(tl.int64))
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 OFFSETS_BLOCK = 1024  # offsets per program of the check; per step of the one-program repair
+IDS_BLOCK = 1024  # id positions per program of the id check (a flat, bandwidth-bound pass)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -101,15 +102,15 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 
 
 def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:
-    cfg = spec.config.forward
-    bags = cfg.bags_per_program
-    grid = (cdiv(B, bags), spec.plan.num_features)
+    N, T = indices.numel(), spec.plan.num_features
+    if N == 0:
+        return
     launch(
         _check_indices_kernel,
-        grid,
-        (indices, offsets, spec.tensors.feature_rows, warning, first_bad, B, indices.numel()),
-        dict(MODE=mode, GATHER=cfg.gather.default, BAGS=bags),
-        1,
+        (cdiv(N, IDS_BLOCK),),
+        (indices, offsets, spec.tensors.feature_rows, warning, first_bad, B, N, T, max(T - 1, 0).bit_length()),
+        dict(MODE=mode, BLOCK=IDS_BLOCK),
+        4,
     )
 
 
