@@ -4,14 +4,17 @@ Why a script: a worker must start fast. Imported as part of the package it would
 package's __init__) and, started by multiprocessing, unpickle its task through that import too: a
 second or more per worker before it compiles anything. As a script it imports Triton and the kernel
 modules only, the way tools/compile_specs.py does: kernels/ imports nothing but triton and itself.
+It imports them before it reads anything, so that start-up overlaps the parent's recorded step.
 
-Protocol: stdin holds one pickled list of jobs, each a dict with the kernel's module and name and the
-exact inputs Triton's JIT handed (or would hand) its compiler in the parent: the ASTSource's
-signature, constexprs and attributes, the target's fields and the options dict. The worker compiles
-each with ``triton.compile`` into the parent's Triton cache (TRITON_CACHE_DIR, set by the parent), so
-the same inputs hash to the same cache entry and the parent's JIT later loads it instead of
-compiling. stdout gets one pickled list: per job, (seconds, None) or (seconds, error text). A job that
-fails is reported, not fatal: the parent's JIT compiles that one itself.
+Protocol (ops/precompile.Workers): stdin carries frames (8-byte little-endian length, then a pickle),
+each a job or None (no more jobs). A job is a dict with the kernel's module and name and the exact
+inputs Triton's JIT would hand its compiler in the parent: the ASTSource's signature, constexprs and
+attributes, the target's fields and the options dict. The worker compiles it with ``triton.compile``
+into the parent's Triton cache (TRITON_CACHE_DIR, set by the parent): the same inputs hash to the
+same cache entry, so the parent's JIT then loads it instead of compiling. Where Triton builds a C
+launcher per signature (3.6: a C compiler run on first launch, also cached by its source), that is
+built here too. Each job is answered with one frame: (seconds, None) or (seconds, error text). A job
+that fails is reported, not fatal: the parent compiles that one itself.
 """
 
 import importlib
@@ -22,36 +25,69 @@ import time
 import types
 
 
-def _register_package() -> None:
+def _register_package() -> str:
     # The package and its kernels folder as bare packages: their __init__ files (torch) never run.
     root = os.path.dirname(os.path.abspath(__file__))
     for name, path in (("torchrec_triton_tbe", root), ("torchrec_triton_tbe.kernels", os.path.join(root, "kernels"))):
         mod = types.ModuleType(name)
         mod.__path__ = [path]
         sys.modules[name] = mod
+    return os.path.join(root, "kernels")
+
+
+def _read(stream):
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    return pickle.loads(stream.read(int.from_bytes(head, "little")))
+
+
+def _write(stream, obj) -> None:
+    data = pickle.dumps(obj)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _text(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
 def main() -> int:
-    jobs = pickle.load(sys.stdin.buffer)
-    _register_package()
+    kernels = _register_package()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    results = []
-    for job in jobs:
+    for name in sorted(os.listdir(kernels)):
+        if name.endswith(".py") and name != "__init__.py":
+            importlib.import_module(f"torchrec_triton_tbe.kernels.{name[:-3]}")
+    try:  # Triton 3.6: a C launcher per signature; 3.8 has one generic launcher (nothing to build)
+        from triton.backends.nvidia import driver as nvidia_driver
+
+        build_launcher = nvidia_driver.CudaLauncher if hasattr(nvidia_driver, "make_launcher") else None
+    except ImportError:
+        build_launcher = None
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        job = _read(stdin)
+        if job is None:
+            return 0
         t0 = time.perf_counter()
+        error = None
         try:
             fn = getattr(importlib.import_module(job["module"]), job["name"])
             src = ASTSource(fn, job["signature"], job["constexprs"], job["attrs"])
-            triton.compile(src, target=GPUTarget(*job["target"]), options=dict(job["options"]))
-            results.append((time.perf_counter() - t0, None))
+            compiled = triton.compile(src, target=GPUTarget(*job["target"]), options=dict(job["options"]))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles it itself
-            text = str(e).strip().splitlines()
-            results.append((time.perf_counter() - t0, f"{type(e).__name__}: {text[-1] if text else ''}"[:500]))
-    sys.stdout.buffer.write(pickle.dumps(results))
-    sys.stdout.buffer.flush()
-    return 0
+            error = _text(e)
+        else:
+            if build_launcher is not None:
+                try:  # needs the CUDA driver library (present on a GPU host); the kernel is cached either way
+                    build_launcher(src, compiled.metadata)
+                except Exception as e:  # noqa: BLE001 - reported; the parent builds it on first launch
+                    error = "launcher " + _text(e)
+        _write(stdout, (time.perf_counter() - t0, error))
 
 
 if __name__ == "__main__":

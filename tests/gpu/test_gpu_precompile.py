@@ -43,8 +43,9 @@ def test_precompiled_first_step_compiles_nothing_and_trains_alike(shape, tmp_pat
     assert plain["compiled_during_step"] > 0, "the plain cold step compiled nothing: the comparison shows nothing"
     assert pre["compiled_during_step"] == 0, pre
     assert pre["precompile"]["specializations"] > 0 and pre["precompile"]["compiled"]
-    # The worker processes compiled exactly what the JIT then looked up: every load was a cache hit.
+    # The worker processes compiled exactly what the JIT then looked up: the load phase compiled
+    # nothing itself (specializations Triton's JIT shares, under two of launch's finer keys, load once).
     assert pre["precompile"]["pool"] == "process" and pre["precompile"]["worker_errors"] == []
-    assert pre["precompile"]["cache_hits"] == pre["precompile"]["specializations"], pre["precompile"]
+    assert pre["precompile"]["load_compiles"] == 0 < pre["precompile"]["cache_hits"], pre["precompile"]
     assert plain["step"] == pre["step"] == 1
     assert plain["weights_sum"] == pre["weights_sum"], (plain["weights_sum"], pre["weights_sum"])

@@ -67,7 +67,8 @@ class PrecompileReport:
     pool: str = "thread"  # "process": workers compiled, threads loaded; "thread": threads did both
     worker_seconds: float = 0.0  # the processes' phase (wall)
     worker_errors: tuple = ()  # "kernel: error" per job a worker failed (the thread phase compiled it)
-    cache_hits: int = 0  # thread-phase compiles that found their kernel in the Triton cache
+    cache_hits: int = 0  # load-phase compiles that found their kernel in the Triton cache
+    load_compiles: int = 0  # load-phase compiles that did not (a worker's miss: compiled on the threads)
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -143,46 +144,55 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         raise ValueError(f"precompile: pool must be 'process' or 'thread', not {pool!r}")
     if compile_fn is not None and job_fn is None:
         pool = "thread"  # a replaced compile has no JIT inputs to hand the workers
-    recorded = record_step(module, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
     device = module.current_device
-    unique: dict = {}
-    for r in recorded:
-        unique.setdefault(r.site(device), r)
-    chosen = list(unique.values())
-    names = tuple(_name(r) for r in chosen)
-    workers = max(1, min(default_workers() if workers is None else int(workers), len(chosen) or 1))
-    if compile_fn is None and (_env.interpreting() or device.type != "cuda"):
-        return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool)
-    cache_device = device
-    if compile_fn is None:
-        cache_device = _launch_device(device)  # launch's and Triton's device key: an index
-        # Triton (3.6, 3.8) creates a kernel's per-device binder on first use: once here, not racing in
-        # the pool.
-        for r in chosen:
-            caches = getattr(r.kernel, "device_caches", None)
-            if caches is not None:
-                caches[cache_device]
+    compiles = compile_fn is not None or not (_env.interpreting() or device.type != "cuda")
+    limit = default_workers() if workers is None else max(1, int(workers))
     t0 = time.perf_counter()
-    worker_errors: tuple = ()
-    if pool == "process":
-        if job_fn is None:
-            with torch.cuda.device(device):
-                jobs = [_jit_job(r) for r in chosen]
-        else:
-            jobs = [job_fn(r) for r in chosen]
-        worker_errors = compile_in_workers([j for j in jobs if j is not None], workers)
+    # Started first: their start-up (a Python, Triton and the kernels imported) overlaps the recording.
+    procs = Workers(limit) if compiles and pool == "process" else None
+    try:
+        recorded = record_step(module, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        unique: dict = {}
+        for r in recorded:
+            unique.setdefault(r.site(device), r)
+        chosen = list(unique.values())
+        names = tuple(_name(r) for r in chosen)
+        workers = max(1, min(limit, len(chosen) or 1))
+        if not compiles:
+            return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool)
+        cache_device = device
+        if compile_fn is None:
+            cache_device = _launch_device(device)  # launch's and Triton's device key: an index
+            # Triton (3.6, 3.8) creates a kernel's per-device binder on first use: once here, not racing
+            # in the pool.
+            for r in chosen:
+                caches = getattr(r.kernel, "device_caches", None)
+                if caches is not None:
+                    caches[cache_device]
+        worker_errors: tuple = ()
+        if procs is not None:
+            if job_fn is None:
+                with torch.cuda.device(device):
+                    jobs = [_jit_job(r) for r in chosen]
+            else:
+                jobs = [job_fn(r) for r in chosen]
+            worker_errors = procs.run([j for j in jobs if j is not None])
+    finally:
+        if procs is not None:
+            procs.close()
     worker_seconds = time.perf_counter() - t0
     compile_one = compile_fn or _warmup(cache_device)
-    hits = []
-    with _count_cache_hits(hits), ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as threads:
+    hits: list = []
+    with _count_compiles(hits), ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as threads:
         kernels = list(threads.map(compile_one, chosen))
     seconds = time.perf_counter() - t0
     for r, compiled in zip(chosen, kernels):
         if compiled is not None:
             launch_ops.remember(r, cache_device, compiled)
     return PrecompileReport(len(recorded), len(chosen), names, workers, seconds, compiled=True, pool=pool,
-                            worker_seconds=worker_seconds if pool == "process" else 0.0,
-                            worker_errors=worker_errors, cache_hits=sum(hits))
+                            worker_seconds=worker_seconds if procs is not None else 0.0,
+                            worker_errors=worker_errors, cache_hits=sum(hits),
+                            load_compiles=len(hits) - sum(hits))
 
 
 def default_workers() -> int:
@@ -238,45 +248,117 @@ def _jit_job(recorded: launch_ops.Launch) -> Optional[dict]:
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_compile_worker.py")
 
 
-def compile_in_workers(jobs: list, workers: int) -> tuple:
-    """Compiles ``jobs`` (``_jit_job``'s dicts) on up to ``workers`` processes into this process's
-    Triton cache; returns "kernel: error" per job that failed. Workers run the script
-    torchrec_triton_tbe/_compile_worker.py with this interpreter; each gets every n-th job."""
-    if not jobs:
-        return ()
-    from triton import knobs
+class Workers:
+    """``n`` compile processes running torchrec_triton_tbe/_compile_worker.py with this interpreter,
+    into this process's Triton cache. Jobs go out one at a time to whichever worker is free (compile
+    times differ tenfold between kernels: 0.03-0.4 s on the H200 host), as length-prefixed pickles
+    over the pipes; ``run`` returns "kernel: error" per job that failed."""
 
-    env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
-    n = max(1, min(int(workers), len(jobs)))
-    chunks = [jobs[i::n] for i in range(n)]
-    procs = []
-    with tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_") as logs:
-        for i, chunk in enumerate(chunks):
-            err = open(os.path.join(logs, f"{i}.err"), "w+b")
+    def __init__(self, n: int) -> None:
+        from triton import knobs
+
+        env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
+        self._logs = tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_")
+        self.procs = []
+        for i in range(max(1, int(n))):
+            err = open(os.path.join(self._logs.name, f"{i}.err"), "w+b")
             proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=err, env=env)
-            proc.stdin.write(pickle.dumps(chunk))  # the worker reads all of stdin before it writes
-            proc.stdin.close()
-            procs.append((proc, err, chunk))
-        errors = []
-        for proc, err, chunk in procs:
-            out = proc.stdout.read()
-            proc.stdout.close()
-            rc = proc.wait()
-            err.seek(0)
-            tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
-            err.close()
-            results = pickle.loads(out) if rc == 0 and out else None
-            if results is None:
-                errors += [f"{job['name']}: worker exited {rc}: {' '.join(tail)[:300]}" for job in chunk]
-                continue
-            errors += [f"{job['name']}: {msg}" for job, (_, msg) in zip(chunk, results) if msg is not None]
-    return tuple(errors)
+            self.procs.append((proc, err))
+
+    def run(self, jobs: list) -> tuple:
+        import selectors
+
+        pending = list(reversed(jobs))
+        errors: list = []
+        busy: dict = {}  # worker index -> its job
+        sel = selectors.DefaultSelector()
+
+        def feed(i: int) -> None:
+            while pending:
+                job = pending.pop()
+                try:
+                    _send(self.procs[i][0].stdin, job)
+                except (BrokenPipeError, OSError):
+                    errors.append(f"{job['name']}: {self._died(i)}")
+                    return
+                busy[i] = job
+                sel.register(self.procs[i][0].stdout, selectors.EVENT_READ, i)
+                return
+
+        for i in range(len(self.procs)):
+            feed(i)
+        while busy:
+            for key, _ in sel.select():
+                i = key.data
+                sel.unregister(key.fileobj)
+                job = busy.pop(i)
+                result = _receive(self.procs[i][0].stdout)
+                if result is None:
+                    errors.append(f"{job['name']}: {self._died(i)}")
+                    continue
+                if result[1] is not None:
+                    errors.append(f"{job['name']}: {result[1]}")
+                feed(i)
+        sel.close()
+        return tuple(errors)
+
+    def _died(self, i: int) -> str:
+        proc, err = self.procs[i]
+        rc = proc.wait()
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
+        return f"worker exited {rc}: {' '.join(tail)[:300]}"
+
+    def close(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                try:
+                    _send(proc.stdin, None)  # no more jobs
+                    proc.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc, err in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for f in (proc.stdout, proc.stdin, err):
+                if f is not None and not f.closed:
+                    f.close()
+        self._logs.cleanup()
 
 
-class _count_cache_hits:
-    """Counts ``triton.compile`` calls that hit the cache while active (Triton's compilation listener,
-    chained to one already set)."""
+def _send(pipe, obj) -> None:
+    data = pickle.dumps(obj)
+    pipe.write(len(data).to_bytes(8, "little") + data)
+    pipe.flush()
+
+
+def _receive(pipe):
+    """The worker's next result, None when it died."""
+    head = pipe.read(8)
+    if len(head) < 8:
+        return None
+    return pickle.loads(pipe.read(int.from_bytes(head, "little")))
+
+
+def compile_in_workers(jobs: list, workers: int) -> tuple:
+    """``jobs`` compiled on up to ``workers`` processes (``Workers``); "kernel: error" per failure."""
+    if not jobs:
+        return ()
+    procs = Workers(min(int(workers), len(jobs)))
+    try:
+        return procs.run(jobs)
+    finally:
+        procs.close()
+
+
+class _count_compiles:
+    """Appends to ``hits``, per ``triton.compile`` call while active, whether it hit the cache (Triton's
+    compilation listener, chained to one already set). A kernel the JIT holds in memory already does
+    not call it at all."""
 
     def __init__(self, hits: list) -> None:
         self.hits = hits
@@ -287,8 +369,7 @@ class _count_cache_hits:
         self.prev = knobs.compilation.listener
 
         def listener(*, cache_hit=False, **kwargs):
-            if cache_hit:
-                self.hits.append(1)
+            self.hits.append(1 if cache_hit else 0)
             if self.prev is not None:
                 self.prev(cache_hit=cache_hit, **kwargs)
 
