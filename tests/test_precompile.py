@@ -310,3 +310,90 @@ def test_precompile_refuses_an_unknown_pool():
 
     with pytest.raises(ValueError, match="pool must be"):
         precompile(None, None, None, pool="fork")
+
+
+_JIT_JOBS = r"""
+import json
+from torchrec_triton_tbe import _env
+_env.RECORD_LAUNCHES = True   # compiled kernels (no interpreter) while the module lives on CPU tensors
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class CPUDriver:  # what Triton's JIT asks a driver for up to its compiler call (no GPU here)
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def is_active(self):
+        return True
+
+
+driver.set_active(CPUDriver())
+from torchrec_triton_tbe._fbgemm import EmbOptimType
+from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops import precompile as P
+m = TritonTBE([(50, 8), (40, 128)], feature_table_map=[0, 1, 1], device="cpu",
+              optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+lengths = torch.tensor([1, 3, 0] * 10)
+offsets = torch.zeros(31, dtype=torch.int64)
+offsets[1:] = lengths.cumsum(0)
+indices = torch.arange(int(offsets[-1])) % 40
+unique = {}
+for r in P.record_step(m, indices, offsets):
+    unique.setdefault(r.site(m.current_device), r)
+chosen = list(unique.values())
+for r in chosen:
+    r.kernel.device_caches[0]
+jobs = [P._jit_job(r) for r in chosen]
+errors = P.compile_in_workers([j for j in jobs if j is not None], 2)
+hits = []
+with P._count_compiles(hits):
+    for r in chosen:  # the load phase without _init_handles (that loads onto a GPU)
+        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, num_warps=r.num_warps)
+# A job carries the parent's source hash of its kernel, and the worker compiles under it (Triton 3.6
+# hashes a kernel differently depending on which callees a process hashed first).
+import hashlib, os
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.cache import get_cache_key, get_cache_manager
+job = dict(jobs[0], cache_key="f" * 64)
+kernel = chosen[0].kernel
+own, kernel.hash = kernel.hash, job["cache_key"]
+src = ASTSource(kernel, job["signature"], job["constexprs"], job["attrs"])
+backend = make_backend(GPUTarget(*job["target"]))
+from triton.compiler.compiler import get_cache_invalidating_env_vars  # Triton 3.6 and 3.8
+key = get_cache_key(src, backend, backend.parse_options(dict(job["options"])), get_cache_invalidating_env_vars())
+kernel.hash = own
+pinned_dir = get_cache_manager(hashlib.sha256(key.encode()).hexdigest()).cache_dir
+pinned_errors = P.compile_in_workers([job], 1)
+print(json.dumps({"chosen": len(chosen), "jobs": sum(j is not None for j in jobs), "errors": list(errors),
+                  "hits": [h for h, _ in hits], "missed": [n for h, n in hits if not h],
+                  "pinned": os.path.isdir(pinned_dir), "pinned_errors": list(pinned_errors)}))
+"""
+
+
+def test_workers_compile_exactly_what_the_jit_then_looks_up(tmp_path):
+    """The real JIT path of pool="process" up to the GPU: Triton's JIT (a stand-in driver answering its
+    device, stream and target questions) binds each recorded launch and is stopped at its compiler call
+    (ops/precompile._jit_job); the workers compile those jobs; the JIT's own warmup of every launch then
+    finds each kernel in the Triton cache, none compiled twice. And a worker compiles under the
+    kernel source hash the job carries, the parent's (Triton 3.6 hashes kernels order-dependently)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _JIT_JOBS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["errors"] == [] and report["jobs"] == report["chosen"] >= 8, report
+    assert report["missed"] == [] and report["hits"] and all(report["hits"]), report
+    assert report["pinned"] and report["pinned_errors"] == [], report

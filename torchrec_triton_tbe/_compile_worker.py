@@ -9,7 +9,8 @@ It imports them before it reads anything, so that start-up overlaps the parent's
 Protocol (ops/precompile.Workers): stdin carries frames (8-byte little-endian length, then a pickle),
 each a job or None (no more jobs). A job is a dict with the kernel's module and name and the exact
 inputs Triton's JIT would hand its compiler in the parent: the ASTSource's signature, constexprs and
-attributes, the target's fields and the options dict. The worker compiles it with ``triton.compile``
+attributes, the target's fields and the options dict, and (from the JIT) the kernel's source hash.
+The worker compiles it with ``triton.compile``
 into the parent's Triton cache (TRITON_CACHE_DIR, set by the parent): the same inputs hash to the
 same cache entry, so the parent's JIT then loads it instead of compiling. Where Triton builds a C
 launcher per signature (3.6: a C compiler run on first launch, also cached by its source), that is
@@ -77,6 +78,11 @@ def main() -> int:
         error = None
         try:
             fn = getattr(importlib.import_module(job["module"]), job["name"])
+            if job.get("cache_key"):
+                # The parent's source hash of this kernel, not this process's: under Triton 3.6 a
+                # kernel's hash depends on which of its callees were hashed before it in a process,
+                # and the jobs reach each worker in another order (ops/precompile._jit_job).
+                fn.hash = job["cache_key"]
             src = ASTSource(fn, job["signature"], job["constexprs"], job["attrs"])
             compiled = triton.compile(src, target=GPUTarget(*job["target"]), options=dict(job["options"]))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles it itself

@@ -69,6 +69,7 @@ class PrecompileReport:
     worker_errors: tuple = ()  # "kernel: error" per job a worker failed (the thread phase compiled it)
     cache_hits: int = 0  # load-phase compiles that found their kernel in the Triton cache
     load_compiles: int = 0  # load-phase compiles that did not (a worker's miss: compiled on the threads)
+    load_compiled: tuple = ()  # their kernels' names
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -191,8 +192,9 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
             launch_ops.remember(r, cache_device, compiled)
     return PrecompileReport(len(recorded), len(chosen), names, workers, seconds, compiled=True, pool=pool,
                             worker_seconds=worker_seconds if procs is not None else 0.0,
-                            worker_errors=worker_errors, cache_hits=sum(hits),
-                            load_compiles=len(hits) - sum(hits))
+                            worker_errors=worker_errors, cache_hits=sum(hit for hit, _ in hits),
+                            load_compiles=sum(not hit for hit, _ in hits),
+                            load_compiled=tuple(sorted(name for hit, name in hits if not hit)))
 
 
 def default_workers() -> int:
@@ -240,9 +242,13 @@ def _jit_job(recorded: launch_ops.Launch) -> Optional[dict]:
     if not seen:
         return None
     src, target, options = seen[0]
+    # The kernel's source hash as this process has it: Triton 3.6 merges a callee's global constants
+    # into it only if the callee was hashed before, so the hash depends on the order kernels were
+    # first hashed in a process (3.8 hashes the callee first). The worker takes this one.
     return dict(module=kernel.fn.__module__, name=kernel.fn.__name__, signature=dict(src.signature),
                 constexprs=dict(src.constants), attrs=dict(src.attrs),
-                target=(target.backend, target.arch, target.warp_size), options=dict(options))
+                target=(target.backend, target.arch, target.warp_size), options=dict(options),
+                cache_key=src.fn.cache_key)
 
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_compile_worker.py")
@@ -356,8 +362,8 @@ def compile_in_workers(jobs: list, workers: int) -> tuple:
 
 
 class _count_compiles:
-    """Appends to ``hits``, per ``triton.compile`` call while active, whether it hit the cache (Triton's
-    compilation listener, chained to one already set). A kernel the JIT holds in memory already does
+    """Appends to ``hits``, per ``triton.compile`` call while active, (whether it hit the cache, the
+    kernel's name) (Triton's compilation listener, chained to one already set). A kernel the JIT holds in memory already does
     not call it at all."""
 
     def __init__(self, hits: list) -> None:
@@ -369,7 +375,8 @@ class _count_compiles:
         self.prev = knobs.compilation.listener
 
         def listener(*, cache_hit=False, **kwargs):
-            self.hits.append(1 if cache_hit else 0)
+            src = kwargs.get("src")
+            self.hits.append((bool(cache_hit), getattr(src, "name", "?")))
             if self.prev is not None:
                 self.prev(cache_hit=cache_hit, **kwargs)
 
