@@ -16,7 +16,7 @@ optimizer state, learning rate, hyper-parameter and step tensors (read at replay
 The output gradient is read where it lies, not copied. It is the largest input (B x total_D, 4 bytes
 an element: 0.87 GB at 65,536 bags of 26 x 128 columns), and a copy into a static buffer cost as much
 GPU time as the backward's own read of it (dlrm_t26_l1 0.63 -> 1.03 ms, hot_zipf15_l1 1.14 -> 2.15 ms on
-the H200, docs/performance.md "Backward graphs and the gradient copy"). A graph captured on a gradient
+the H200, docs/performance.md "Extended suite, 2026-12-01 evening"). A graph captured on a gradient
 at address A replays only for a gradient at A (same shape and dtype: part of the key), so it reads the
 caller's live tensor. In a training loop the caching allocator hands autograd the same block step
 after step, so one graph serves; a key captures at most ``DIRECT_GRAPHS`` such graphs, and once its
@@ -31,8 +31,9 @@ bit-identical to the eager backward (tests/gpu/test_gpu_graphs.py, tests/test_gr
 
 Lifecycle of a key: the first call runs eagerly on the key's static ids and offsets (compiles every
 specialization and learns the persistent grids, which a capture must not do); the second captures
-and replays; later calls replay, or capture once more for a new gradient address (above). A module's live graphs of one stream share one memory pool;
-everything allocated inside a capture is scratch of that replay only. At most
+and replays; later calls replay, or capture once more for a new gradient address (above). A
+module's live graphs of one stream share one memory pool; everything allocated inside a capture is
+scratch of that replay only. At most
 ``backward.graph_cache`` keys per module (least recently used dropped); each holds static copies of
 its ids, offsets and per-sample weights (8 + 4 bytes per lookup at most: 3.9 MB at FBGEMM's default
 shape), the gradient's only once it falls back to a copy, and the pool the scratch of the largest

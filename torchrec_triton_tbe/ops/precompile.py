@@ -15,17 +15,19 @@ How:
    step counter it advanced, the last-run statistics; it runs on a graph cache of its own (a graph the
    module captured earlier would be replayed, and replays are not launches).
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
-2. Compile in processes (``pool="process"``, the default). For each distinct specialization, Triton's
-   own JIT binds the recorded arguments and is stopped at its call into the compiler
-   (``_jit_job``): what it would compile (the ASTSource's signature, constexprs and attributes, the
-   target, the options) is exactly what the workers compile, with ``triton.compile`` into this
-   process's Triton cache (torchrec_triton_tbe/_compile_worker.py, a script that imports Triton and
-   the kernels, not torch). Same inputs, same cache key.
+2. Compile in processes (``pool="process"``, the default). The workers (``Workers``: the script
+   torchrec_triton_tbe/_compile_worker.py, which imports Triton and the kernels, not torch) start
+   before step 1, so their start-up overlaps the recording. For each distinct specialization, Triton's
+   own JIT binds the recorded arguments and is stopped at its call into the compiler (``_jit_job``):
+   what it would compile (the ASTSource's signature, constexprs and attributes, the target, the
+   options, and the kernel's source hash as this process has it) is what a worker compiles, with
+   ``triton.compile`` into this process's Triton cache, one job at a time per free worker. Same
+   inputs, same cache key.
 3. Load on threads. Each specialization then goes through the JIT for real (``JITFunction.warmup``:
    its binder, its cache key, its on-disk cache, now a hit; a job a worker failed is compiled here),
    with the kernel's module loaded and its launcher built (``_init_handles``), on a thread pool with
-   the module's device current in each thread. The report counts the cache hits. ``pool="thread"``
-   skips step 2 and compiles on the threads.
+   the module's device current in each thread. The report counts the loads that hit the cache and
+   names the kernels that did not. ``pool="thread"`` skips step 2 and compiles on the threads.
 4. Hand over. Each compiled kernel goes into ``launch``'s cache under the key the real launch will look
    up (``launch.remember``), so the step finds it without Triton's per-call binding.
 
@@ -62,10 +64,11 @@ class PrecompileReport:
     specializations: int  # distinct ones among them: what was compiled
     kernels: tuple  # kernel names, one per specialization
     workers: int
-    seconds: float  # wall time of the compile and load, both phases (0 under the interpreter)
+    # wall time from the workers' start to the last load: recording, compiles, loads (0 under the interpreter)
+    seconds: float
     compiled: bool  # False under Triton's interpreter (nothing to compile)
     pool: str = "thread"  # "process": workers compiled, threads loaded; "thread": threads did both
-    worker_seconds: float = 0.0  # the processes' phase (wall)
+    worker_seconds: float = 0.0  # the part of ``seconds`` before the loads: the recording and the workers' compiles
     worker_errors: tuple = ()  # "kernel: error" per job a worker failed (the thread phase compiled it)
     cache_hits: int = 0  # load-phase compiles that found their kernel in the Triton cache
     load_compiles: int = 0  # load-phase compiles that did not (a worker's miss: compiled on the threads)
@@ -363,8 +366,8 @@ def compile_in_workers(jobs: list, workers: int) -> tuple:
 
 class _count_compiles:
     """Appends to ``hits``, per ``triton.compile`` call while active, (whether it hit the cache, the
-    kernel's name) (Triton's compilation listener, chained to one already set). A kernel the JIT holds in memory already does
-    not call it at all."""
+    kernel's name): Triton's compilation listener, chained to one already set. A kernel the JIT holds
+    in memory already does not call it at all."""
 
     def __init__(self, hits: list) -> None:
         self.hits = hits
