@@ -248,21 +248,24 @@ def test_dry_run_of_sequence_and_variable_batch_steps():
     _recorded_equals_real(vbe, indices, offsets, vbe=sizes)
 
 
-_PROCESS_COMPILE = r"""
-import json, sys
+_SMALL_STEP = r"""
+import json
 from torchrec_triton_tbe import _env
 _env.RECORD_LAUNCHES = True   # compiled kernels (no interpreter) while the module lives on CPU tensors
 import torch
-from torchrec_triton_tbe import aot
 from torchrec_triton_tbe._fbgemm import EmbOptimType
 from torchrec_triton_tbe.module import TritonTBE
-from torchrec_triton_tbe.ops.precompile import precompile
 m = TritonTBE([(50, 8), (40, 128)], feature_table_map=[0, 1, 1], device="cpu",
               optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
 lengths = torch.tensor([1, 3, 0] * 10)
 offsets = torch.zeros(31, dtype=torch.int64)
 offsets[1:] = lengths.cumsum(0)
 indices = torch.arange(int(offsets[-1])) % 40
+"""
+
+_PROCESS_COMPILE = _SMALL_STEP + r"""
+from torchrec_triton_tbe import aot
+from torchrec_triton_tbe.ops.precompile import precompile
 report = precompile(m, indices, offsets, workers=2, compile_fn=aot.cubin_compiler(90), pool="process",
                     job_fn=aot.cubin_job(90))
 print(json.dumps({"specializations": report.specializations, "cache_hits": report.cache_hits,
@@ -312,11 +315,7 @@ def test_precompile_refuses_an_unknown_pool():
         precompile(None, None, None, pool="fork")
 
 
-_JIT_JOBS = r"""
-import json
-from torchrec_triton_tbe import _env
-_env.RECORD_LAUNCHES = True   # compiled kernels (no interpreter) while the module lives on CPU tensors
-import torch
+_JIT_JOBS = _SMALL_STEP + r"""
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -336,15 +335,7 @@ class CPUDriver:  # what Triton's JIT asks a driver for up to its compiler call 
 
 
 driver.set_active(CPUDriver())
-from torchrec_triton_tbe._fbgemm import EmbOptimType
-from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops import precompile as P
-m = TritonTBE([(50, 8), (40, 128)], feature_table_map=[0, 1, 1], device="cpu",
-              optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-lengths = torch.tensor([1, 3, 0] * 10)
-offsets = torch.zeros(31, dtype=torch.int64)
-offsets[1:] = lengths.cumsum(0)
-indices = torch.arange(int(offsets[-1])) % 40
 unique = {}
 for r in P.record_step(m, indices, offsets):
     unique.setdefault(r.site(m.current_device), r)
