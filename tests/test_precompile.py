@@ -388,3 +388,18 @@ def test_workers_compile_exactly_what_the_jit_then_looks_up(tmp_path):
     assert report["errors"] == [] and report["jobs"] == report["chosen"] >= 8, report
     assert report["missed"] == [] and report["hits"] and all(report["hits"]), report
     assert report["pinned"] and report["pinned_errors"] == [], report
+
+
+def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):
+    """Workers that die (here: exit at start) fail their jobs by name; jobs no worker is left for are
+    reported too, so the report accounts for every job the load phase then compiles itself."""
+    from torchrec_triton_tbe.ops import precompile as precompile_ops
+
+    dying = tmp_path / "dying_worker.py"
+    dying.write_text("import sys\nsys.stderr.write('no compiler here\\n')\nsys.exit(3)\n")
+    monkeypatch.setattr(precompile_ops, "WORKER", str(dying))
+    jobs = [dict(module="m", name=f"k{i}", signature={}, constexprs={}, attrs={}, target=("cuda", 90, 32),
+                 options={}) for i in range(5)]
+    errors = precompile_ops.compile_in_workers(jobs, workers=2)
+    assert sorted(e.split(":")[0] for e in errors) == [f"k{i}" for i in range(5)], errors
+    assert any("worker exited 3: no compiler here" in e for e in errors), errors

@@ -55,6 +55,11 @@ def _text(e: Exception) -> str:
 
 
 def main() -> int:
+    # The frames go to a duplicate of stdout; anything printed (Python or C, Triton's or ptxas's) goes
+    # to stderr instead of into the frames.
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     kernels = _register_package()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -69,7 +74,7 @@ def main() -> int:
         build_launcher = nvidia_driver.CudaLauncher if hasattr(nvidia_driver, "make_launcher") else None
     except ImportError:
         build_launcher = None
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin = sys.stdin.buffer
     while True:
         job = _read(stdin)
         if job is None:
@@ -93,7 +98,7 @@ def main() -> int:
                     build_launcher(src, compiled.metadata)
                 except Exception as e:  # noqa: BLE001 - reported; the parent builds it on first launch
                     error = "launcher " + _text(e)
-        _write(stdout, (time.perf_counter() - t0, error))
+        _write(frames, (time.perf_counter() - t0, error))
 
 
 if __name__ == "__main__":

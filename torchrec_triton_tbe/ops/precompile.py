@@ -269,11 +269,19 @@ class Workers:
         env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
         self._logs = tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_")
         self.procs = []
-        for i in range(max(1, int(n))):
-            err = open(os.path.join(self._logs.name, f"{i}.err"), "w+b")
-            proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=err, env=env)
-            self.procs.append((proc, err))
+        try:
+            for i in range(max(1, int(n))):
+                err = open(os.path.join(self._logs.name, f"{i}.err"), "w+b")
+                try:
+                    proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=err, env=env)
+                except BaseException:
+                    err.close()
+                    raise
+                self.procs.append((proc, err))
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, jobs: list) -> tuple:
         import selectors
@@ -310,6 +318,8 @@ class Workers:
                     errors.append(f"{job['name']}: {result[1]}")
                 feed(i)
         sel.close()
+        # Every worker died: what is left is compiled by the load phase, and said here.
+        errors += [f"{job['name']}: no compile worker left" for job in reversed(pending)]
         return tuple(errors)
 
     def _died(self, i: int) -> str:
