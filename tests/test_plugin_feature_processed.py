@@ -106,6 +106,11 @@ def test_position_weighted_bags_match_fused(one_rank, optimizer):
     run_ab("table_wise", optimizer)
 
 
+@pytest.mark.parametrize("sharding", ["table_column_wise", "grid_shard"])
+def test_position_weighted_bags_on_two_dimensional_shardings(one_rank, sharding):
+    run_ab(sharding, EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+
+
 def _two_ranks(rank: int, world_size: int) -> None:
     for sharding in ("row_wise", "column_wise"):
         run_ab(sharding, EmbOptimType.EXACT_ROWWISE_ADAGRAD, rank, world_size)

@@ -15,6 +15,7 @@ from torchrec_triton_tbe.plugin import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEParameterSharding,
 )
+from torchrec_triton_tbe.plugin import sharding as routing
 from torchrec_triton_tbe.plugin.options import HOIST_TRANSPOSE_KEY
 
 import torchrec
@@ -43,15 +44,15 @@ def _constraints(**per_table):
 
 
 # ---------------------------------------------------------------------------------------------- planner
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_planner_picks_our_kernel_exactly_for_constrained_tables(world_size):
-    constraints = _constraints(t0={}, t2={"sharding_types": ["column_wise"]})
+@pytest.mark.parametrize("world_size,t2_sharding", [(1, "column_wise"), (2, "column_wise"), (2, "table_column_wise")])
+def test_planner_picks_our_kernel_exactly_for_constrained_tables(world_size, t2_sharding):
+    constraints = _constraints(t0={}, t2={"sharding_types": [t2_sharding]})
     planner = EmbeddingShardingPlanner(Topology(world_size=world_size, compute_device="cpu"), constraints=constraints)
     plan = planner.plan(pc.Model(), [TritonTBESharder()]).plan["ebc"]
     assert {t: ps.compute_kernel for t, ps in plan.items()} == {
         "t0": CUSTOMIZED, "t1": plan["t1"].compute_kernel, "t2": CUSTOMIZED}
     assert plan["t1"].compute_kernel != CUSTOMIZED
-    assert plan["t2"].sharding_type == "column_wise"
+    assert plan["t2"].sharding_type == t2_sharding
     # Unconstrained planning never picks it, though the sharder advertises it (guarded).
     free = EmbeddingShardingPlanner(Topology(world_size=world_size, compute_device="cpu"))
     free_plan = free.plan(pc.Model(), [TritonTBESharder()]).plan["ebc"]
@@ -103,8 +104,8 @@ def test_parameter_sharding_validates_itself():
         TritonTBEParameterSharding(**spec, compute_kernel="fused")
     with pytest.raises(ValueError, match="customized_compute_kernel"):
         TritonTBEParameterSharding(**spec, customized_compute_kernel="other")
-    with pytest.raises(NotImplementedError, match="table_column_wise"):
-        TritonTBEParameterSharding(sharding_type="table_column_wise")
+    with pytest.raises(NotImplementedError, match="data_parallel"):
+        TritonTBEParameterSharding(sharding_type="data_parallel")
     with pytest.raises(TypeError, match="TritonTBEOptions"):
         TritonTBEParameterSharding(**spec, hoist_transpose="yes")
 
@@ -138,13 +139,14 @@ def test_sharder_arguments_and_upgrade():
     sharder = TritonTBESharder(options=TritonTBEOptions(hoist_transpose=True))
     assert CUSTOMIZED in sharder.compute_kernels("table_wise", "cpu")
     assert CUSTOMIZED not in sharder.compute_kernels("data_parallel", "cpu")
-    assert CUSTOMIZED not in sharder.compute_kernels("table_column_wise", "cpu")
+    assert CUSTOMIZED in sharder.compute_kernels("table_column_wise", "cpu")
+    assert CUSTOMIZED in sharder.compute_kernels("grid_shard", "cuda")
     plain = dataclasses.replace(pc.base_plan("row_wise", 1)["t0"], compute_kernel=CUSTOMIZED)
     assert sharder._upgrade("t0", plain).options == sharder.options
     own = TritonTBEParameterSharding.from_sharding(plain, TritonTBEOptions(fused_bounds_check=True))
     assert sharder._upgrade("t0", own) is own
-    with pytest.raises(NotImplementedError, match="'t0'.*table_column_wise"):
-        sharder._upgrade("t0", dataclasses.replace(plain, sharding_type="table_column_wise"))
+    with pytest.raises(NotImplementedError, match="'t0'.*data_parallel"):
+        sharder._upgrade("t0", dataclasses.replace(plain, sharding_type="data_parallel"))
 
 
 def test_fully_sharded_two_dimensional_parallel_is_refused():
@@ -176,7 +178,7 @@ def test_state_dict_layout_needs_the_relabel_fix(one_rank):
 
 
 def _two_rank_checkpoints(rank, world_size):
-    for sharding in ("table_wise", "row_wise", "column_wise", "table_row_wise"):
+    for sharding in routing.SUPPORTED_SHARDING_TYPES:
         pc.checkpoint_interchange(rank, world_size, sharding)
 
 

@@ -37,6 +37,10 @@ ONE_RANK = [
     Case("table_wise", ADAGRAD, Options(fused_bounds_check=True, hoist_transpose=True), variant=WEIGHTED),
     Case("row_wise", SGD, Options(index_dtype=I32), variant=WEIGHTED),
     Case("column_wise", ADAGRAD, Options(hoist_transpose=True), variant=FP16),
+    Case("table_column_wise", ADAGRAD, Options(index_dtype=I32, fused_bounds_check=True), kjt_dtype=I32),
+    Case("table_column_wise", SGD, Options(hoist_transpose=True), variant=WEIGHTED),
+    Case("grid_shard", ADAGRAD, Options(hoist_transpose=True, fused_bounds_check=True)),
+    Case("grid_shard", SGD, Options(index_dtype=I32), variant=FP16),
 ]
 TWO_RANKS = [
     Case("table_wise", ADAGRAD, Options(index_dtype=I32, fused_bounds_check=True), kjt_dtype=I32),
@@ -45,6 +49,8 @@ TWO_RANKS = [
     Case("table_row_wise", ADAGRAD, Options(index_dtype=I32, hoist_transpose=True, fused_bounds_check=True)),
     Case("table_wise", SGD, Options(fused_bounds_check=True), bounds_check_mode=BoundsCheckMode.IGNORE, bad_ids=True),
     Case("column_wise", SGD, Options(hoist_transpose=True), variant=WEIGHTED),
+    Case("table_column_wise", SGD, Options(index_dtype=I32), kjt_dtype=I32),
+    Case("grid_shard", ADAGRAD, Options(hoist_transpose=True), variant=WEIGHTED),
 ]
 
 

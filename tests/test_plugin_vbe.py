@@ -13,11 +13,12 @@ import torch
 import plugin_cases as pc
 from plugin_cases import EmbOptimType, TritonTBESharder, Variant, use_fused, use_triton_tbe
 
+import torchrec
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 ADAGRAD, SGD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD
 ONE_GROUP = Variant(weighted=True)  # every table SUM, weighted: one kernel group per sharding type
-SHARDINGS = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+SHARDINGS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard"]
 
 
 def vbe_kjt(tables, step: int, rank: int = 0, weighted: bool = False) -> KeyedJaggedTensor:
@@ -87,6 +88,10 @@ def one_rank():
 
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_vbe_matches_fused_on_the_same_batches(one_rank, sharding):
+    if sharding == "grid_shard" and torchrec.__version__.startswith("1.6."):
+        # TorchRec 1.6.1's grid output permute takes the 1-D variable-batch output as a [B, D] tensor
+        # ("pooled_embs must be at least a 2-D tensor"), with fused as with ours; 1.9.2 runs it.
+        pytest.skip("TorchRec 1.6.1 has no variable batch on grid-sharded tables (fused neither)")
     run(sharding, ONE_GROUP, ADAGRAD, fused_on_vbe=True)
 
 

@@ -4,9 +4,9 @@ TorchRec has no kernel registry: ``GroupedPooledEmbeddingsLookup._create_embeddi
 kernel per grouped table config and raises ``ValueError`` for ``CUSTOMIZED_KERNEL``. We wrap that method
 (option A of the integration notes) rather than subclassing every sharding type (option B):
 
-* one wrapper covers table-wise, row-wise, column-wise and table-row-wise sharding, since each of them
-  builds the same lookup class; option B needs a subclass per sharding type overriding ``create_lookup``,
-  whose bodies differ between torchrec 1.6.1 and 1.9.2 (row-wise alone differs by ~230 lines), so
+* one wrapper covers table-wise, row-wise, column-wise, table-row-wise, table-column-wise and grid
+  sharding, since each of them builds the same lookup class; option B needs a subclass per sharding
+  type overriding ``create_lookup``, whose bodies differ between torchrec 1.6.1 and 1.9.2 (row-wise alone differs by ~230 lines), so
   copies of them would be the fragile part;
 * the wrapped method has the same signature in 1.6.1 and 1.9.2 (``config, device, pg, sharding_type,
   env``), and TorchRec calls it positionally in both;
@@ -40,6 +40,8 @@ SUPPORTED_SHARDING_TYPES = (
     ShardingType.ROW_WISE.value,
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.GRID_SHARD.value,
 )
 
 # TorchRec shards an EmbeddingCollection table-, row- or column-wise (or data-parallel).
