@@ -137,3 +137,28 @@ def test_resident_programs(n_regs, num_warps, shared, expected):
 def test_waves_default_off():
     assert load_named("interpreter").backward.waves == 0
     assert load_named("sm90").backward.waves >= 1
+
+
+def test_precompile_order_names_kernels_of_the_package(tmp_path):
+    """compile_first names @triton.jit kernels of torchrec_triton_tbe.kernels (a typo would silently
+    never match); malformed sections are refused with the knob named."""
+    import importlib
+    import pkgutil
+
+    import torchrec_triton_tbe.kernels as kernels_pkg
+
+    names = set()
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        names |= {n for n, v in vars(mod).items() if hasattr(v, "fn") and hasattr(v, "run")}
+    for name in ("sm90", "sm100"):
+        first = load_named(name).precompile.compile_first
+        assert first and set(first) <= names, (name, sorted(set(first) - names))
+    assert load_named("interpreter").precompile.compile_first == ()
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    for section, match in (({"compile_first": "_backward_short_kernel"}, "must be a list of kernel names"),
+                           ({"first": []}, "unknown precompile keys")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({**doc, "precompile": section}))
+        with pytest.raises(ValueError, match=match):
+            load_named(str(path))

@@ -308,6 +308,44 @@ def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch
     assert all("AttributeError" in e for e in errors)
 
 
+def test_compile_workers_warm_up_for_the_target_outside_the_cache(tmp_path, monkeypatch):
+    """Workers given a target compile a trivial kernel for it before their first job (its log says how
+    long), into a scratch cache: the caller's Triton cache gets none of it."""
+    from torchrec_triton_tbe.ops.precompile import Workers
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
+               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    procs = Workers(1, warm_up=("cuda", 90, 32))
+    try:
+        errors = procs.run([bad])  # answered after the warm-up
+        log = procs.procs[0][1]
+        log.seek(0)
+        text = log.read().decode()
+    finally:
+        procs.close()
+    assert [e.split(":")[0] for e in errors] == ["_no_such_kernel"], errors
+    assert "warm-up failed" not in text and "warm-up " in text, text
+    assert not any("_warm_up_kernel" in p.name for p in cache.rglob("*")), sorted(cache.rglob("*"))
+
+
+def test_compile_order_hands_out_the_named_kernels_first_widest_first():
+    from types import SimpleNamespace
+
+    from torchrec_triton_tbe.ops.precompile import compile_order
+
+    def launch(name, **constexprs):
+        return SimpleNamespace(kernel=SimpleNamespace(fn=SimpleNamespace(__name__=name)), constexprs=constexprs)
+
+    recorded = [launch("_check"), launch("_fwd", BLOCK_D=16), launch("_bwd", BLOCK_D=8), launch("_meta"),
+                launch("_bwd", BLOCK_D=128), launch("_fwd", BLOCK_D=64), launch("_other", BLOCK_D=256)]
+    ordered = compile_order(recorded, ("_bwd", "_fwd"))
+    assert [(r.kernel.fn.__name__, r.constexprs.get("BLOCK_D")) for r in ordered] == [
+        ("_bwd", 128), ("_bwd", 8), ("_fwd", 64), ("_fwd", 16), ("_check", None), ("_meta", None), ("_other", 256)]
+    assert compile_order(recorded, ()) == recorded
+
+
 def test_precompile_refuses_an_unknown_pool():
     from torchrec_triton_tbe.ops.precompile import precompile
 

@@ -119,6 +119,7 @@ def cubin_job(target: int):
         spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
         return _job(recorded.kernel, *spec, target)
 
+    job_of.target = ("cuda", target, 32)  # what precompile's workers warm up for
     return job_of
 
 

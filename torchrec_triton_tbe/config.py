@@ -173,6 +173,25 @@ def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
     return SmallTableConfig(**{k: int(v) for k, v in d.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class PrecompileConfig:
+    """``TritonTBE.precompile`` (ops/precompile.py): ``compile_first`` names the kernels whose compile
+    jobs go out to the workers first, in this order (widest BLOCK_D first within one), the rest
+    following in recording order. Kernel names, not a measure of the GPU: compile time is host work."""
+
+    compile_first: tuple = ()
+
+
+def _precompile(d: Mapping[str, Any], where: str) -> PrecompileConfig:
+    unknown = sorted(set(d) - {"compile_first"})
+    if unknown:
+        raise ValueError(f"invalid kernel config {where}: unknown precompile keys {unknown} (known: ['compile_first'])")
+    first = d.get("compile_first") or []
+    if not isinstance(first, (list, tuple)) or not all(isinstance(n, str) for n in first):
+        raise ValueError(f"invalid kernel config {where}: precompile.compile_first must be a list of kernel names")
+    return PrecompileConfig(compile_first=tuple(first))
+
+
 # Resident thread blocks per SM, by compute capability (CUDA occupancy tables; 32 on sm_80/90/100).
 _MAX_BLOCKS_PER_SM = {8: 32, 9: 32, 10: 32, 12: 24}
 
@@ -204,6 +223,7 @@ class KernelConfig:
     backward: BackwardConfig
     source: str = ""
     small_table: SmallTableConfig = SmallTableConfig()
+    precompile: PrecompileConfig = PrecompileConfig()
 
     def replace_backward(self, **changes: int) -> "KernelConfig":
         """A copy with some backward knobs changed (routing sweeps, tuning)."""
@@ -264,6 +284,7 @@ class KernelConfig:
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
+            precompile=_precompile(d.get("precompile") or {}, source or str(d["target"])),
         )
         cfg.validate()
         return cfg

@@ -152,14 +152,17 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     compiles = compile_fn is not None or not (_env.interpreting() or device.type != "cuda")
     limit = default_workers() if workers is None else max(1, int(workers))
     t0 = time.perf_counter()
-    # Started first: their start-up (a Python, Triton and the kernels imported) overlaps the recording.
-    procs = Workers(limit) if compiles and pool == "process" else None
+    # Started first: their start-up (a Python, Triton and the kernels imported, the compiler warmed up
+    # for this GPU) overlaps the recording.
+    procs = None
+    if compiles and pool == "process":
+        procs = Workers(limit, warm_up=_target(device) if job_fn is None else getattr(job_fn, "target", None))
     try:
         recorded = record_step(module, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         unique: dict = {}
         for r in recorded:
             unique.setdefault(r.site(device), r)
-        chosen = list(unique.values())
+        chosen = compile_order(list(unique.values()), module.spec.config.precompile.compile_first)
         names = tuple(_name(r) for r in chosen)
         workers = max(1, min(limit, len(chosen) or 1))
         if not compiles:
@@ -198,6 +201,35 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                             worker_errors=worker_errors, cache_hits=sum(hit for hit, _ in hits),
                             load_compiles=sum(not hit for hit, _ in hits),
                             load_compiled=tuple(sorted(name for hit, name in hits if not hit)))
+
+
+def compile_order(launches: list, first: tuple) -> list:
+    """The distinct launches in the order the workers take them: the kernels named in ``first``
+    (configs' ``precompile.compile_first``: those whose compiles took longest) in that order, widest
+    BLOCK_D first, then the rest as recorded. Why: jobs go to whichever worker is free, and a long
+    compile handed out last leaves the others idle. Replayed on 16 workers with prod_t40_b16k's 39
+    compile times measured on the CPU machine (tools/first_step.py --replay), this order takes 1.51 s
+    where the recording order takes 2.08 s (longest first with the times known: 1.32 s; total / 16:
+    1.31 s). Not measured on the GPU host."""
+    rank = {name: i for i, name in enumerate(first)}
+
+    def key(item):
+        i, r = item
+        k = rank.get(_name(r), len(first))
+        return (k, -int(r.constexprs.get("BLOCK_D", 0)) if k < len(first) else 0, i)
+
+    return [r for _, r in sorted(enumerate(launches), key=key)]
+
+
+def _target(device: torch.device) -> Optional[tuple]:
+    """(backend, arch, warp_size) Triton compiles for on ``device``, None where it compiles nothing."""
+    if device.type != "cuda" or _env.interpreting():
+        return None
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
 
 
 def default_workers() -> int:
@@ -263,17 +295,20 @@ class Workers:
     times differ tenfold between kernels: 0.03-0.4 s on the H200 host), as length-prefixed pickles
     over the pipes; ``run`` returns "kernel: error" per job that failed."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, warm_up: Optional[tuple] = None) -> None:
+        """``warm_up``: the (backend, arch, warp_size) the jobs will compile for; each worker then warms
+        its compiler up for it right after start-up (_compile_worker._warm_up), before any job."""
         from triton import knobs
 
         env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
+        argv = [sys.executable, WORKER] + ([",".join(map(str, warm_up))] if warm_up else [])
         self._logs = tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_")
         self.procs = []
         try:
             for i in range(max(1, int(n))):
                 err = open(os.path.join(self._logs.name, f"{i}.err"), "w+b")
                 try:
-                    proc = subprocess.Popen([sys.executable, WORKER], stdin=subprocess.PIPE,
+                    proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=err, env=env)
                 except BaseException:
                     err.close()
