@@ -34,18 +34,10 @@ from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     row_wise,
-    _get_parameter_sharding,
-    _get_parameter_size_offsets,
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
-    ShardedTensor,
-    ShardingEnv,
-    ShardingPlan,
-    ShardingType,
-)
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardedTensor, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -190,36 +182,11 @@ GENERATORS = {
     # Two column shards per table: on one rank both land on rank 0 (one slice spans both).
     "column_wise": lambda ws: {t.name: column_wise(ranks=[0, ws - 1]) for t in TABLES},
     "table_row_wise": lambda ws: {t.name: table_row_wise(host_index=0) for t in TABLES},
-    "table_column_wise": lambda ws: {t.name: _table_column_wise([0, ws - 1]) for t in TABLES},
-    "grid_shard": lambda ws: {t.name: _grid_shard() for t in TABLES},
+    "table_column_wise": lambda ws: {t.name: plugin.table_column_wise(ranks=[0, ws - 1]) for t in TABLES},
+    # Two column blocks, each row-wise over the ranks (one host): TorchRec's own grid_shard keeps these
+    # narrow tables in one block.
+    "grid_shard": lambda ws: {t.name: plugin.grid_shard(blocks=2) for t in TABLES},
 }
-
-
-def _table_column_wise(ranks: List[int]):
-    """TorchRec has no plan generator for TABLE_COLUMN_WISE (its planner proposes it): column_wise's
-    shards relabelled, as the planner lays them out (column shards of a table on ranks of one host)."""
-    cw = column_wise(ranks=ranks)
-
-    def generate(*args, **kwargs):
-        return dataclasses.replace(cw(*args, **kwargs), sharding_type=ShardingType.TABLE_COLUMN_WISE.value)
-
-    return generate
-
-
-def _grid_shard(blocks: int = 2):
-    """GRID_SHARD with ``blocks`` column blocks, each row-wise over one host's ranks. TorchRec's
-    ``grid_shard`` generator keeps the default block width (at least 128 columns: one block for these
-    tables), so the shards are laid out here the way it lays them out: block h on host h."""
-
-    def generate(param, local_size, world_size, device_type, sharder):
-        shards = _get_parameter_size_offsets(param, ShardingType.GRID_SHARD, local_size, world_size,
-                                             col_wise_shard_dim=param.shape[1] // blocks)
-        ranks = [(i // local_size * local_size + i % local_size) % world_size for i in range(len(shards))]
-        return _get_parameter_sharding(param, ShardingType.GRID_SHARD.value,
-                                       [(size, offset, rank) for (size, offset), rank in zip(shards, ranks)],
-                                       local_size, device_type, sharder)
-
-    return generate
 
 
 def base_plan(sharding: str, world_size: int, variant: Variant = Variant()) -> EmbeddingModuleShardingPlan:

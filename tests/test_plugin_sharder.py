@@ -26,6 +26,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner import enumerators, shard_estimators
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.config import EmbeddingPerfEstimatorConfig
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ParameterSharding, ShardedTensor, ShardingEnv2D, ShardingPlan, ShardingStrategy
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -129,6 +130,28 @@ def test_plan_rewriting():
     assert use_triton_tbe(dp)["t0"] is dp["t0"]  # data-parallel tables keep TorchRec's dense kernel
     with pytest.raises(NotImplementedError, match="data_parallel"):
         use_triton_tbe(dp, tables=["t0"])
+
+
+def test_two_dimensional_plan_generators():
+    """plugin.plans: table-column-wise relabels column_wise's shards; grid_shard splits narrow tables into
+    column blocks, each row-wise over the host, and refuses widths that do not split into multiples of 4."""
+    from torchrec_triton_tbe.plugin import grid_shard, table_column_wise
+
+    plan = pc.base_plan("table_column_wise", 2)
+    assert {ps.sharding_type for ps in plan.values()} == {"table_column_wise"}
+    assert [s.shard_offsets for s in plan["t1"].sharding_spec.shards] == [[0, 0], [0, 8]]
+    assert plan["t1"].ranks == [0, 1]
+    grid = pc.base_plan("grid_shard", 2)["t1"]  # 20 rows x 16 columns, one host of two ranks
+    assert grid.sharding_type == "grid_shard" and grid.ranks == [0, 1, 0, 1]
+    assert [(s.shard_sizes, s.shard_offsets) for s in grid.sharding_spec.shards] == [
+        ([10, 8], [0, 0]), ([10, 8], [10, 0]), ([10, 8], [0, 8]), ([10, 8], [10, 8])]
+    for blocks, match in ((3, "do not split into 3 blocks"), (4, "do not split into 4 blocks")):
+        with pytest.raises(ValueError, match=match):
+            construct_module_sharding_plan(pc.Model().ebc, {t.name: grid_shard(blocks=blocks) for t in pc.TABLES},
+                                           sharder=TritonTBESharder(), local_size=1, world_size=1, device_type="cpu")
+    with pytest.raises(ValueError, match="blocks must be >= 1"):
+        grid_shard(blocks=0)
+    assert callable(table_column_wise(ranks=[0]))
 
 
 def test_sharder_arguments_and_upgrade():

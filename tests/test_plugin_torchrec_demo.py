@@ -69,6 +69,17 @@ def test_demo_on_two_ranks_every_sharding_type_with_the_train_pipeline():
     plugin_cases.spawn(_rank_demo, 2, argv)
 
 
+def _two_dimensional_shardings(rank: int, world_size: int) -> None:
+    for sharding in ("table_column_wise", "grid_shard"):
+        _rank_demo(rank, world_size, SMALL + ["--sharding", sharding, "--loop", "plain", "--expect", sharding])
+
+
+def test_demo_on_two_ranks_table_column_wise_and_grid():
+    """--sharding table_column_wise / grid_shard (plugin.plans' generators: two column shards, or two
+    column blocks each row-wise over both ranks), checked against fused on every rank."""
+    plugin_cases.spawn(_two_dimensional_shardings, 2)
+
+
 def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
     argv = SMALL + ["--sharding", "planner", "--loop", "plain", "--sequence", "--expect", "table_wise"]
     plugin_cases.spawn(_rank_demo, 2, argv)

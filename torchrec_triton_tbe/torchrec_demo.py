@@ -56,8 +56,9 @@ from torchrec_triton_tbe.plugin import (
     use_triton_tbe,
 )
 
-# "mixed": the four types in turn over the tables; "planner": TorchRec's EmbeddingShardingPlanner picks.
-SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "mixed", "planner")
+# "mixed": the first four types in turn over the tables; "planner": TorchRec's EmbeddingShardingPlanner picks.
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard", "mixed",
+             "planner")
 LOOPS = ("pipeline", "semi-sync", "base", "plain")
 # The TorchRec train pipelines the demo can train in (every loop but "plain"), by --loop name.
 PIPELINES = {
@@ -345,11 +346,15 @@ def _ebc(model, tables: Tables, pipeline: bool):
 
 def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
     """{module path: module plan}: the bags' and, with --sequence, the sequence tables' (which TorchRec
-    shards table-, row- or column-wise: table-row-wise plans put them table-wise). On N ranks, one host:
-    table-wise tables go round the ranks, row-wise ones span every rank, column-wise ones split in two
-    over ranks 0 and 1 (0 and 0 on one rank), table-row-wise ones span the host; "mixed" gives the
-    tables these four in turn; "planner" is TorchRec's EmbeddingShardingPlanner over this topology."""
+    shards table-, row- or column-wise: table-row-wise, table-column-wise and grid plans put them
+    table-wise). On N ranks, one host: table-wise tables go round the ranks, row-wise ones span every
+    rank, column-wise and table-column-wise ones split in two over ranks 0 and 1 (0 and 0 on one rank),
+    table-row-wise ones span the host, grid ones split in two column blocks each spanning the host;
+    "mixed" gives the tables the first four in turn; "planner" is TorchRec's EmbeddingShardingPlanner
+    over this topology."""
     from torchrec.distributed import sharding_plan as sp
+
+    from torchrec_triton_tbe.plugin import plans as plugin_plans
 
     W = setup.group_size
     if sharding == "planner":
@@ -371,7 +376,9 @@ def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
         "column_wise": lambda k: sp.column_wise(ranks=[0, 1 % W]),
         "table_row_wise": lambda k: sp.table_row_wise(host_index=0),
     }
-    kinds = list(generators)
+    kinds = list(generators)  # "mixed": these four
+    generators.update(table_column_wise=lambda k: plugin_plans.table_column_wise(ranks=[0, 1 % W]),
+                      grid_shard=lambda k: plugin_plans.grid_shard(blocks=2))
 
     def generator(kind: str, k: int):
         return generators[kinds[k % len(kinds)] if kind == "mixed" else kind](k)
@@ -382,7 +389,8 @@ def _plan(model, tables: Tables, sharding: str, setup: Setup, pipeline: bool):
         sharder=TritonTBESharder(), **common,
     )}
     if tables.sequence:
-        seq_sharding = "table_wise" if sharding == "table_row_wise" else sharding
+        # An EmbeddingCollection has no table-row-wise, table-column-wise or grid sharding.
+        seq_sharding = "table_wise" if sharding in ("table_row_wise", "table_column_wise", "grid_shard") else sharding
         def seq_kind(k: int) -> str:
             # An EmbeddingCollection has no table-row-wise sharding: "mixed" takes the other three.
             return ("table_wise", "row_wise", "column_wise")[k % 3] if seq_sharding == "mixed" else seq_sharding

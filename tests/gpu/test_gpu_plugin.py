@@ -2,7 +2,7 @@
 every optimizer FBGEMM can run under TorchRec, the DLRM A/B of torchrec_triton_tbe.torchrec_demo trains the same plan on ``fused``
 and on our kernel to the same losses, weights and fused-optimizer state, with the checkpoint
 interchanged both ways (fused -> ours before the first step, ours -> fused after the last; exact), on
-table-wise and a second sharding type per optimizer (all four types covered)."""
+table-wise and a second sharding type per optimizer (all six types covered)."""
 
 import pytest
 
@@ -11,12 +11,12 @@ pytest.importorskip("torchrec", reason="TorchRec is not installed on this GPU ma
 from torchrec_triton_tbe import torchrec_demo  # noqa: E402
 from torchrec_triton_tbe.demo import OPTIMIZERS  # noqa: E402
 
-OTHER = ("row_wise", "column_wise", "table_row_wise")
+OTHER = ("row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard")
 # FBGEMM's LARS_SGD cannot back TorchRec's fused optimizer: its get_optimizer_state raises
 # ("Getting optimizer state lars_sgd is not implmeneted", fbgemm-gpu 1.6.0 on the H200), so DMP cannot be
 # built on `fused` with it. Ours can (tests/test_plugin_optimizers.py trains it against the reference).
 WITH_FUSED = sorted(o for o in OPTIMIZERS if o != "lars_sgd")
-CASES = [(opt, sharding) for i, opt in enumerate(WITH_FUSED) for sharding in ("table_wise", OTHER[i % 3])]
+CASES = [(opt, sharding) for i, opt in enumerate(WITH_FUSED) for sharding in ("table_wise", OTHER[i % len(OTHER)])]
 
 
 @pytest.mark.parametrize("optimizer,sharding", CASES, ids=[f"{o}-{s}" for o, s in CASES])

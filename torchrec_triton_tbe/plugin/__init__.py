@@ -12,6 +12,7 @@ whose plan entry does not ask for ``customized_kernel`` with ``customized_comput
 from torchrec_triton_tbe import _env  # noqa: F401
 from torchrec_triton_tbe.plugin.lookup import TritonTBEEmbedding, TritonTBEEmbeddingBag
 from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
+from torchrec_triton_tbe.plugin.plans import grid_shard, table_column_wise
 from torchrec_triton_tbe.plugin.sharder import (
     TritonTBEEmbeddingCollectionSharder,
     TritonTBEFeatureProcessedSharder,
@@ -43,8 +44,10 @@ __all__ = [
     "TritonTBESharder",
     "TritonTBEShardedEmbeddingBagCollection",
     "TritonTBEShardedEmbeddingCollection",
+    "grid_shard",
     "install",
     "install_planner_support",
+    "table_column_wise",
     "use_fused",
     "use_triton_tbe",
 ]
