@@ -275,6 +275,17 @@ print(json.dumps({"specializations": report.specializations, "cache_hits": repor
 """
 
 
+def _real(errors: list) -> list:
+    """Worker errors, less Triton 3.6's launcher builds on a machine without the CUDA driver library
+    (3.6 builds a C launcher per signature and links it against libcuda; the kernels are compiled and
+    cached either way, and 3.8 builds none)."""
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda") is not None:
+        return list(errors)
+    return [e for e in errors if ": launcher " not in e]
+
+
 def test_precompile_workers_fill_the_cache_the_load_phase_hits(tmp_path):
     """pool="process" on a CPU: the worker processes (torchrec_triton_tbe/_compile_worker.py) compile
     every specialization into the Triton cache, and the thread phase, compiling the same inputs,
@@ -289,7 +300,7 @@ def test_precompile_workers_fill_the_cache_the_load_phase_hits(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["pool"] == "process" and report["worker_errors"] == [] and report["iter"] == 0
+    assert report["pool"] == "process" and _real(report["worker_errors"]) == [] and report["iter"] == 0
     assert report["specializations"] >= 8
     assert report["cache_hits"] == report["specializations"] and report["load_compiles"] == 0, report
     assert 0 < report["worker_seconds"] <= report["seconds"]
@@ -310,7 +321,8 @@ def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch
 
 def test_compile_workers_warm_up_for_the_target_outside_the_cache(tmp_path, monkeypatch):
     """Workers given a target compile a trivial kernel for it before their first job (its log says how
-    long), into a scratch cache: the caller's Triton cache gets none of it."""
+    long), into a scratch cache: the caller's Triton cache gets none of it. (Triton 3.6 also builds its
+    launcher, which needs the CUDA driver library: logged apart, not asserted here.)"""
     from torchrec_triton_tbe.ops.precompile import Workers
 
     cache = tmp_path / "cache"
@@ -423,9 +435,9 @@ def test_workers_compile_exactly_what_the_jit_then_looks_up(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _JIT_JOBS], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["errors"] == [] and report["jobs"] == report["chosen"] >= 8, report
+    assert _real(report["errors"]) == [] and report["jobs"] == report["chosen"] >= 8, report
     assert report["missed"] == [] and report["hits"] and all(report["hits"]), report
-    assert report["pinned"] and report["pinned_errors"] == [], report
+    assert report["pinned"] and _real(report["pinned_errors"]) == [], report
 
 
 def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):

@@ -117,7 +117,9 @@ def cubin_job(target: int):
 
     def job_of(recorded):
         spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
-        return _job(recorded.kernel, *spec, target)
+        # The kernel's source hash as this process has it, as ops/precompile._jit_job's jobs carry it
+        # (Triton 3.6 hashes a kernel by the order its callees were first hashed in a process).
+        return dict(_job(recorded.kernel, *spec, target), cache_key=recorded.kernel.cache_key)
 
     job_of.target = ("cuda", target, 32)  # what precompile's workers warm up for
     return job_of
