@@ -14,7 +14,8 @@
 #   small-table the small-table path off and at 64 rows (config small_table), fwd + bwd, --check, on
 #               SMALL_SHAPES (default prod_small_b16k, prod_t40_b16k, prod_t100_b2k)
 #   first-step  cold and warm first step of a production-shaped model (FIRST_STEP_SHAPE), fused vs ours, and
-#               tools/first_step.py: the step's specializations and their compile time on 1, 4, 16 processes
+#               tools/first_step.py: the step's specializations and their compile time on 1, 4, 16 processes,
+#               replayed on 16 workers in both job orders, and a worker's first job cold and warmed up
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
@@ -80,7 +81,11 @@ for step in "$@"; do
       }
       demo_step0 cold "$cache"; demo_step0 warm "$cache"; demo_step0 cold_precompile "$(mktemp -d)" --precompile
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
-        --workers 1,4,16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | head -4
+        --workers 1,4,16 --replay 16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | grep -v "^    _"
+      # A compile worker's first job, cold and warmed up (Workers warm_up), on this host.
+      TRITON_INTERPRET=0 timeout 120 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
+        --rows-scale 0.01 --first-job-probe 3 --json "$OUT/first_job_probe.json" 2>&1 | grep -v "^WARNING" \
+        | python -c "import json,sys; print('first job (s):', json.loads(sys.stdin.read().splitlines()[-1])['first_job_seconds'])"
       # TritonTBE.precompile: a cold first step plain and precompiled, fresh processes and caches.
       PRECOMPILE_LOG_DIR="$OUT/precompile" timeout 400 python -m pytest -q -s -p no:cacheprovider \
         tests/gpu/test_gpu_precompile.py 2>&1 | grep -E "passed|failed|Error|plain" | cut -c1-600 | tail -6 ;;
