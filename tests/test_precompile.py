@@ -453,3 +453,53 @@ def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):
     errors = precompile_ops.compile_in_workers(jobs, workers=2)
     assert sorted(e.split(":")[0] for e in errors) == [f"k{i}" for i in range(5)], errors
     assert any("worker exited 3: no compiler here" in e for e in errors), errors
+
+
+_LOOKUP_COUNTS = r"""
+import json
+import torch
+from torchrec_triton_tbe import aot
+from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
+from torchrec_triton_tbe.module import TritonTBE
+
+specs = [(300, 16), (200, 64), (400, 8)]
+with aot.recording():
+    m = TritonTBE(specs, kernel_config="sm90", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, device="cpu",
+                  weights_precision=SparseType.FP16)
+
+
+def step(n):
+    B = 64
+    lengths = torch.full((len(specs) * B,), n // (len(specs) * B))
+    lengths[: n - int(lengths.sum())] += 1
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    with aot.recording() as seen:
+        out = m(torch.arange(n) % 8, offsets)
+        out.backward(torch.ones_like(out))
+    return sorted(map(repr, seen))
+
+
+# Lookup counts 16,001 / 16,389 / 18,437 (none a multiple of 16): 16 / 17 / 19 metadata programs of
+# 1,024 slots, whose scratch row 1 started 68 / 72 / 80 bytes in before it was padded.
+print(json.dumps([step(16001), step(16389), step(18437)]))
+"""
+
+
+def test_batches_of_other_lookup_counts_launch_the_same_specializations():
+    """Triton specializes int arguments on divisibility by 16: a per-batch count passed to a kernel that
+    does not need it would compile that kernel again for later batches (after a precompiled first
+    step, too). Three batches of one shape whose lookup counts are not multiples of 16 (and whose
+    metadata program counts and scratch offsets differ in divisibility) launch exactly the same
+    specializations (compiled kernels, launches recorded, no GPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", _LOOKUP_COUNTS], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second, third = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(first) >= 15, first  # forward, bounds, metadata and backward kernels were recorded
+    assert first == second == third, sorted(set(first) ^ set(second) | set(first) ^ set(third))

@@ -60,7 +60,8 @@ def _arg_type(value: Any) -> str:
 def specialization(fn, args, kwargs) -> tuple:
     """(signature, constexprs, divisible argument indices, num_warps) of ``fn(*args, **kwargs)`` as the
     JIT specializes it: ints equal to 1 become constants, 16-aligned pointers and ints divisible by 16
-    carry tt.divisibility (the compiler vectorises on it)."""
+    carry tt.divisibility (the compiler vectorises on it); parameters the kernel marks
+    ``do_not_specialize`` get neither (Triton 3.6 and 3.8)."""
     kwargs = dict(kwargs)
     num_warps = kwargs.pop("num_warps", 4)
     params = list(fn.params)
@@ -69,14 +70,15 @@ def specialization(fn, args, kwargs) -> tuple:
     signature, constexprs, divisible = {}, {}, []
     for i, p in enumerate(params):
         value = bound[p.name]
-        if p.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        plain = getattr(p, "do_not_specialize", False)
+        if p.is_constexpr or (not plain and isinstance(value, int) and not isinstance(value, bool) and value == 1):
             signature[p.name] = "constexpr"
             constexprs[p.name] = getattr(value, "value", value)
         else:
             signature[p.name] = _arg_type(value)
             if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0:
                 divisible.append(i)
-            elif isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
+            elif not plain and isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
                 divisible.append(i)
     return signature, constexprs, tuple(divisible), num_warps
 

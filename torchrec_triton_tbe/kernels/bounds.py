@@ -89,7 +89,9 @@ def _check_indices_kernel(
                 tl.atomic_add(warning_ptr, nbad.to(tl.int64))
 
 
-@triton.jit
+# N (the ids' count) is compared with offsets, never a mask bound: not specialized, or every batch
+# whose count changes its divisibility by 16 would compile this kernel again.
+@triton.jit(do_not_specialize=["N"])
 def _check_offsets_kernel(offsets_ptr, flag_ptr, warning_ptr, num_bags, N, COUNT: tl.constexpr, BLOCK: tl.constexpr):
     """
     Grid: [cdiv(num_bags, BLOCK)]. Bag i = [offsets[i], offsets[i + 1]) is bad when it starts below 0,
@@ -117,7 +119,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # as _check_offsets_kernel's N
 def _repair_offsets_kernel(offsets_ptr, flag_ptr, num_bags, N, BLOCK: tl.constexpr):
     """
     Grid: [1]. When the check raised the flag: offsets[num_bags] = N, then every offset becomes the

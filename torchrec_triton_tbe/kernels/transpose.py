@@ -70,7 +70,10 @@ def _linearize_kernel(
         tl.store(bags_ptr + p, code.to(bags_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+# num_programs follows the batch's lookup count: not specialized, or Triton would compile this kernel
+# again whenever that count changes its divisibility by 16 (one program scans a few thousand totals:
+# the vector width of its masked loads is immaterial).
+@triton.jit(do_not_specialize=["num_programs"])
 def _scan_totals_kernel(totals_ptr, num_programs, BLOCK: tl.constexpr):
     """
     Grid: [1]. totals[0:num_programs] (one per program of a metadata pass) become exclusive prefix
@@ -132,7 +135,8 @@ def _run_flags_kernel(
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
 
 
-@triton.jit
+# num_programs only indexes one load: not specialized (a recompile per batch count's divisibility).
+@triton.jit(do_not_specialize=["num_programs"])
 def _run_starts_kernel(
     sorted_keys_ptr,
     run_prefix_ptr,
@@ -241,7 +245,8 @@ def _chunk_offsets_kernel(
     )
 
 
-@triton.jit
+# N and steps index and bound a binary search: not specialized (a recompile per batch count's divisibility).
+@triton.jit(do_not_specialize=["N", "steps"])
 def _chunk_runs_kernel(run_chunk_begin_ptr, chunk_run_ptr, N, steps, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Grid: [cdiv(max_chunks, BLOCK)], over chunks q in [p * BLOCK, (p + 1) * BLOCK):
     chunk_run[q] = the run r owning chunk q, the largest r with run_chunk_begin[r] <= q (runs without

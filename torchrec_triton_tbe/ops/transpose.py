@@ -129,8 +129,12 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     chunk_run = torch.empty(max_chunks, dtype=idt, device=device)
     bucket_chunk_bounds = torch.empty(num_bounds, dtype=idt, device=device)
     # Per program: runs (row 0) and chunks (row 1), scanned in place; the last column holds the sums.
-    totals = torch.empty(2, programs + 1, dtype=idt, device=device)
-    run_totals, chunk_totals = totals[0], totals[1]
+    # Rows padded to 16 bytes: row 1's address would otherwise be 16-byte aligned or not with the batch's
+    # program count, and Triton compiles each kernel reading it once per alignment (three kernels).
+    per16 = 16 // idt.itemsize
+    row = cdiv(programs + 1, per16) * per16
+    totals = torch.empty(2, row, dtype=idt, device=device)
+    run_totals, chunk_totals = totals[0, : programs + 1], totals[1, : programs + 1]
     block_k = next_pow2(num_bounds)
     grid = (programs,)
     blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block))  # implied by int64 tables (N >= 2**31 - 2)
