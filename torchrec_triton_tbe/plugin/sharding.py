@@ -6,8 +6,8 @@ kernel per grouped table config and raises ``ValueError`` for ``CUSTOMIZED_KERNE
 
 * one wrapper covers table-wise, row-wise, column-wise, table-row-wise, table-column-wise and grid
   sharding, since each of them builds the same lookup class; option B needs a subclass per sharding
-  type overriding ``create_lookup``, whose bodies differ between torchrec 1.6.1 and 1.9.2 (row-wise alone differs by ~230 lines), so
-  copies of them would be the fragile part;
+  type overriding ``create_lookup``, whose bodies differ between torchrec 1.6.1 and 1.9.2 (row-wise
+  alone differs by ~230 lines), so copies of them would be the fragile part;
 * the wrapped method has the same signature in 1.6.1 and 1.9.2 (``config, device, pg, sharding_type,
   env``), and TorchRec calls it positionally in both;
 * the wrapper only acts on ``CUSTOMIZED_KERNEL`` groups carrying ``customized_compute_kernel="triton_tbe"``
