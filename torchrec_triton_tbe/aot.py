@@ -94,10 +94,14 @@ def lower(fn, signature: dict, constexprs: dict, divisible, num_warps: int, targ
                           target=GPUTarget(*job["target"]), options=job["options"])
 
 
+def _cuda_target(target: int) -> tuple:
+    return ("cuda", target, 32)  # GPUTarget's fields: backend, compute capability, warp size
+
+
 def _job(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int) -> dict:
     # What ``lower`` hands triton.compile, as ops/precompile.py's compile workers take it.
     return dict(module=fn.fn.__module__, name=fn.fn.__name__, signature=signature, constexprs=constexprs,
-                attrs={(i,): [["tt.divisibility", 16]] for i in divisible}, target=("cuda", target, 32),
+                attrs={(i,): [["tt.divisibility", 16]] for i in divisible}, target=_cuda_target(target),
                 options={"num_warps": num_warps})
 
 
@@ -123,7 +127,7 @@ def cubin_job(target: int):
         # (Triton 3.6 hashes a kernel by the order its callees were first hashed in a process).
         return dict(_job(recorded.kernel, *spec, target), cache_key=recorded.kernel.cache_key)
 
-    job_of.target = ("cuda", target, 32)  # what precompile's workers warm up for
+    job_of.target = _cuda_target(target)  # what precompile's workers warm up for
     return job_of
 
 
