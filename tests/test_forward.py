@@ -214,4 +214,140 @@ def test_small_batch_knobs_match_sequential():
         assert_close(ours(x.indices, x.offsets, x.per_sample_weights), seq(x.indices, x.offsets, x.per_sample_weights),
                      "small-batch knobs vs sequential", **tolerance(torch.float32))
     plans = [p for key, p in ours._spec.launch_plans.items() if key[0] == "forward"]
-    assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, cx, _ in p)
+    assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, _, cx, _ in p)
+
+
+# One launch for every D bucket (forward.grouped_max_batch): 16-wide column slices, so WIDE_SPECS'
+# 32-, 20- and 64-wide tables take 2, 2 and 4 slices (the 20-wide one's second slice masked to 4
+# columns) and the 12- and 6-wide ones one each.
+def grouped(lanes: int = 2, max_batch: int = 64, block_d: int = 16, **changes):
+    return with_lanes(lanes, grouped_max_batch=max_batch, grouped_block_d=block_d, **changes)
+
+
+def test_grouped_entries_cover_every_column_once():
+    m, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped())
+    tensors, plan = m.spec.tensors, m.spec.plan
+    entries = list(zip(tensors.grouped_features.tolist(), tensors.grouped_cols.tolist()))
+    expected = sorted((t, c) for t, d in enumerate(plan.feature_dims) for c in range(0, d, 16))
+    assert sorted(entries) == expected and len(set(entries)) == len(entries)
+    dims = [plan.feature_dims[t] for t, _ in entries]
+    assert dims == sorted(dims, reverse=True)  # widest features first
+    assert tensors.grouped_generic == len(entries) and tensors.chunk_width == 16
+
+
+def test_grouped_launch_only_at_small_batches_over_several_buckets():
+    from torchrec_triton_tbe.ops.forward import _launches
+
+    m, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(max_batch=8))
+    spec = m.spec
+    one = _launches(spec, 8, 40, False, 4)
+    assert len(one) == 1 and one[0][3]["COL_CHUNKS"] and one[0][3]["BLOCK_D"] == 16
+    assert one[0][2][1] == spec.tensors.grouped_features.numel()
+    per_bucket = _launches(spec, 9, 40, False, 4)  # above grouped_max_batch
+    assert len(per_bucket) == len(spec.plan.buckets) and not any(x[3]["COL_CHUNKS"] for x in per_bucket)
+    single, _ = make_pair([(40, 32), (30, 20)], [0, 1], oracle="reference", kernel_config=grouped(max_batch=8))
+    assert len(_launches(single.spec, 8, 40, False, 4)) == 1  # one bucket: its own launch, whole rows
+    assert not _launches(single.spec, 8, 40, False, 4)[0][3]["COL_CHUNKS"]
+    # Every table narrower than the slice width: one entry per feature, the widest bucket's tile.
+    narrow, _ = make_pair([(40, 8), (30, 4)], [0, 1], oracle="reference", kernel_config=grouped(max_batch=8, block_d=64))
+    (x,) = _launches(narrow.spec, 8, 40, False, 4)
+    assert x[3]["BLOCK_D"] == 8 and x[2][1] == 2
+
+
+GROUPED_CASES = [
+    (PoolingMode.SUM, False, SparseType.FP32, torch.int64, 1),
+    (PoolingMode.MEAN, True, SparseType.FP16, torch.int32, 2),
+    (PoolingMode.SUM, True, SparseType.BF16, torch.int64, 4),
+    (PoolingMode.MEAN, False, SparseType.FP32, torch.int32, 8),
+]
+
+
+@pytest.mark.parametrize("pooling,weighted,weights,index_dtype,lanes", GROUPED_CASES,
+                         ids=[f"{p.name}-{'w' if w else 'u'}-{a.name}-{str(i)[6:]}-lanes{n}"
+                              for p, w, a, i, n in GROUPED_CASES])
+def test_grouped_forward_matches_per_bucket(pooling, weighted, weights, index_dtype, lanes):
+    kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
+              embedding_table_offset_type=index_dtype)
+    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(lanes), **kw)
+    g = torch.Generator().manual_seed(11)
+    rows = [r for r, _ in WIDE_SPECS]
+    for B, L in [(7, 6), (3, 1), (5, 13)]:
+        x = skewed_batch(rows, WIDE_FTM, B=B, max_L=L, generator=g, weighted=weighted, index_dtype=index_dtype)
+        with torch.no_grad():
+            out = ours(x.indices, x.offsets, x.per_sample_weights)
+            expected = base(x.indices, x.offsets, x.per_sample_weights)
+        # The same rows and steps per bag and column: only the tile's width differs.
+        assert_close(out, expected, f"one launch vs per bucket, B={B}", **tolerance(torch.float32))
+
+
+def test_grouped_forward_trains_like_fbgemm():
+    # The backward is unchanged; the one-launch forward's output feeds it (FBGEMM's CPU TBE oracle).
+    ours, other = make_pair(SPECS, FTM, kernel_config=grouped(max_batch=1 << 20))
+    assert len({b.block_d for b in ours.spec.plan.buckets}) > 1
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        x = skewed_batch([r for r, _ in SPECS], FTM, B=6, max_L=5, generator=g)
+        out = ours(x.indices, x.offsets)
+        ref = other(x.indices, x.offsets)
+        assert_close(out, ref, f"forward step {step}", **tolerance(torch.float32))
+        grad = torch.randn(out.shape, generator=g)
+        out.backward(grad)
+        ref.backward(grad)
+    for a, b in zip(ours.split_embedding_weights(), other.split_embedding_weights()):
+        assert_close(a, b, "weights after two steps", atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_grouped_fused_repair_counts_each_bad_id_once(mode, lanes):
+    # Feature 0 (32 wide) takes two 16-wide slices: both pool row 0 for a bad id, the first writes and
+    # counts it.
+    specs, ftm = [(10, 32), (6, 12)], [0, 1]
+    ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
+                          kernel_config=grouped(lanes))
+    indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
+    offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
+    expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
+    idx = indices.clone()
+    out = ours(idx, offsets.clone())
+    assert torch.equal(idx, expected_ids), idx
+    assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
+                 atol=1e-6, rtol=1e-6)
+    assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
+
+
+def test_grouped_forward_with_vbe_matches_per_bucket():
+    sizes = [[3, 1], [2, 4], [0, 3], [5, 0], [1, 1], [2, 2]]  # features x ranks (an empty feature-rank)
+    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(2))
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(2))
+    g = torch.Generator().manual_seed(4)
+    counts = [sum(r) for r in sizes]
+    lengths = torch.randint(0, 5, (sum(counts),), generator=g)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    ids, begin = [], 0
+    for t, k in enumerate(WIDE_FTM):
+        n = int(lengths[begin: begin + counts[t]].sum())
+        begin += counts[t]
+        ids.append(torch.randint(0, WIDE_SPECS[k][0], (n,), generator=g))
+    idx = torch.cat(ids)
+    with torch.no_grad():
+        out = ours(idx, offsets, batch_size_per_feature_per_rank=sizes)
+        expected = base(idx, offsets, batch_size_per_feature_per_rank=sizes)
+    assert_close(out, expected, "VBE: one launch vs per bucket", **tolerance(torch.float32))
+
+
+def test_grouped_forward_leaves_small_tables_to_their_path():
+    # Small tables (kernels/small_table.py) keep their own launches; the one launch takes the rest.
+    specs, ftm = [(40, 32), (12, 16), (30, 8), (9, 12)], [0, 1, 2, 3]
+    cfg = grouped(2).replace_small_table(max_rows=16)
+    base, _ = make_pair(specs, ftm, oracle="reference", kernel_config=with_lanes(2))
+    ours, _ = make_pair(specs, ftm, oracle="reference", kernel_config=cfg)
+    tensors = ours.spec.tensors
+    assert 0 < tensors.grouped_generic < tensors.grouped_features.numel()
+    g = torch.Generator().manual_seed(8)
+    x = skewed_batch([r for r, _ in specs], ftm, B=5, max_L=6, generator=g)
+    with torch.no_grad():
+        assert_close(ours(x.indices, x.offsets), base(x.indices, x.offsets), "small tables + one launch",
+                     **tolerance(torch.float32))

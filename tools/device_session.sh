@@ -31,6 +31,9 @@
 #   initcheck-probe  initcheck on a PyTorch-only CUDA graph that sorts 2,816 and 8,192 keys (is the open
 #               initcheck finding of docs/reliability.md the tool's view of graph copy nodes?)
 #   reliability tests/gpu/test_gpu_reliability.py: determinism across runs and schedules, extremes
+#   grouped     the pooled forward in one launch for every D bucket vs one launch per bucket, per slice
+#               width (tools/forward_grouped.py), FBGEMM beside it; writes /tmp/sm90_grouped.yaml with the
+#               best width and the batch up to which it won, for TORCHREC_TRITON_TBE_CONFIG in later steps
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
 #               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
@@ -185,6 +188,36 @@ PY
         grep -i "check\|error\|fail" "$OUT/small_$tag.log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -4
         python tools/perf_table.py "$OUT/small_$tag.json" | tail -6
       done ;;
+    grouped)
+      # The pooled forward in one launch for every D bucket (forward.grouped_max_batch) vs one per bucket,
+      # FBGEMM beside it, at GROUPED_RUNS (shape:batch) and slice widths GROUPED_WIDTHS; then the width
+      # with the best geo-mean and the largest batch up to which it won every run go into
+      # /tmp/sm90_grouped.yaml (and $OUT) for the demo-prod / tests steps (TORCHREC_TRITON_TBE_CONFIG).
+      timeout 500 python tools/forward_grouped.py --widths "${GROUPED_WIDTHS:-32,64,128}" --iters "${ITERS:-20}" \
+        --runs "${GROUPED_RUNS:-prod_t100_b2k:2048,prod_t100_b2k:8192,prod_t40_b16k:2048,prod_t40_b16k:8192,prod_t40_b16k:16384,prod_t40_b16k:65536,mixed_d32_256_zipf115:8192}" \
+        --json "$OUT/forward_grouped.json" > "$OUT/forward_grouped.log" 2>&1; echo "rc=$?"
+      grep "^|\|rror" "$OUT/forward_grouped.log" | quiet
+      python - "$OUT" <<'PY'
+import json, math, sys, yaml
+out = sys.argv[1]
+runs = json.load(open(f"{out}/forward_grouped.json"))["runs"]
+widths = [k for k in runs[0]["ms"] if k.startswith("one_launch_w")]
+geo = {k: math.exp(sum(math.log(r["ms"]["per_bucket"] / r["ms"][k]) for r in runs) / len(runs)) for k in widths}
+best = max(geo, key=geo.get)
+limit = 0
+for b in sorted({r["batch"] for r in runs}):
+    if all(r["ms"][best] < r["ms"]["per_bucket"] for r in runs if r["batch"] <= b):
+        limit = b
+    else:
+        break
+cfg = yaml.safe_load(open("configs/sm90.yaml"))
+cfg["forward"].update(grouped_max_batch=limit, grouped_block_d=int(best[len("one_launch_w"):]))
+for path in ("/tmp/sm90_grouped.yaml", f"{out}/sm90_grouped.yaml"):
+    yaml.safe_dump(cfg, open(path, "w"))
+print("per-bucket / one-launch geo-mean:", {k: round(v, 3) for k, v in geo.items()},
+      f"-> grouped_block_d {best[len('one_launch_w'):]}, grouped_max_batch {limit}")
+PY
+      ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

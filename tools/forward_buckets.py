@@ -12,6 +12,7 @@ come from the bench's workload (FBGEMM's request generator), as in the suite.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -46,15 +47,19 @@ def main() -> None:
     B, N = case.batch_size, r.indices.numel()
     with torch.no_grad():
         whole = triton.testing.do_bench(lambda: m(r.indices, r.offsets))
-    launches = fwd_ops._launches(spec, B, N, False, m.weights.element_size(), None)
+    # One launch per bucket whatever forward.grouped_max_batch says (this tool times the buckets apart).
+    per_bucket = dataclasses.replace(spec, config=spec.config.replace_forward(grouped_max_batch=0))
+    launches = fwd_ops._launches(per_bucket, B, N, False, m.weights.element_size(), None)
+    ks = [k for k, b in enumerate(spec.plan.buckets) if b.features]
     out = torch.empty(B, spec.plan.total_D, dtype=spec.output_dtype, device=dev)
     warning = torch.zeros(1, dtype=torch.int64, device=dev)
     tensors = spec.tensors
     lookups = torch.diff(r.offsets.view(-1)[:: B].long()).tolist()  # per feature (host sync: fine here)
     rows = []
-    for k, grid, cx, warps in launches:
+    for k, (_, _, grid, cx, warps) in zip(ks, launches):
         bucket = spec.plan.buckets[k]
-        fargs = (m.weights, r.indices, r.offsets, m.weights, out, tensors.bucket_features[k], tensors.feature_dim,
+        fargs = (m.weights, r.indices, r.offsets, m.weights, out, tensors.bucket_features[k],
+                 tensors.bucket_features[k], tensors.feature_dim,
                  tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, warning, B,
                  spec.plan.total_D)
 

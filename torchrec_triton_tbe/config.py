@@ -85,6 +85,14 @@ class ForwardConfig:
     bags_per_program_small: int = 1
     gather_small: Optional[KnobTable] = None  # None: gather
     bag_lanes_small: Optional[KnobTable] = None  # None: bag_lanes
+    # Pooled forwards of at most grouped_max_batch bags per feature (0: never) over two or more D
+    # buckets go in one launch instead of one per bucket: each feature split into grouped_block_d-wide
+    # column slices, one program per slice and bag group (kernels/forward.py COL_CHUNKS). At small
+    # batches the host issues the bucket launches slower than the GPU runs them (FBGEMM issues one);
+    # the slices trade some masked lanes on narrow features for that. The slice's knobs are the
+    # tables' (and the small-batch ones') at BLOCK_D = grouped_block_d.
+    grouped_max_batch: int = 0
+    grouped_block_d: int = 64
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
@@ -260,6 +268,8 @@ class KernelConfig:
                 gather_small=KnobTable.parse(f["gather_small"], "forward.gather_small") if "gather_small" in f else None,
                 bag_lanes_small=(KnobTable.parse(f["bag_lanes_small"], "forward.bag_lanes_small")
                                  if "bag_lanes_small" in f else None),
+                grouped_max_batch=int(f.get("grouped_max_batch", 0)),
+                grouped_block_d=int(f.get("grouped_block_d", 64)),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -322,11 +332,16 @@ class KernelConfig:
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")
+        if not (pow2(self.forward.grouped_block_d) and 16 <= self.forward.grouped_block_d <= 1024):
+            # >= 16: a slice's first column must keep every row start's 16-element alignment.
+            problems.append(f"forward.grouped_block_d must be a power of two in [16, 1024], got "
+                            f"{self.forward.grouped_block_d}")
         for name, v, least, hint in [
             ("forward.bags_per_program_small", self.forward.bags_per_program_small, 1, ""),
             ("forward.small_batch", self.forward.small_batch, 0, " (0: never)"),
             ("forward.bucket_streams", self.forward.bucket_streams, 1, " (1: the caller's stream only)"),
             ("forward.bucket_streams_min_lookups", self.forward.bucket_streams_min_lookups, 0, ""),
+            ("forward.grouped_max_batch", self.forward.grouped_max_batch, 0, " (0: never)"),
             ("backward.short_threshold", self.backward.short_threshold, 1, ""),
             ("backward.long_chunk", self.backward.long_chunk, 1, ""),
             ("backward.waves", self.backward.waves, 0, ""),

@@ -221,7 +221,7 @@ class TritonTBE(nn.Module):
         plan = _with_small_tables(plan, config, pooling_mode == PoolingMode.NONE)
         self._spec = TBESpec(
             plan=plan,
-            tensors=PlanTensors.build(plan, dev),
+            tensors=PlanTensors.build(plan, dev, config.forward.grouped_block_d),
             pooling_mean=pooling_mode == PoolingMode.MEAN,
             nobag=pooling_mode == PoolingMode.NONE,
             weights_dtype=wdtype,
@@ -262,8 +262,10 @@ class TritonTBE(nn.Module):
         config = load_config(self.current_device, config)
         plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
         changes = dict(config=config)
-        if plan != self._spec.plan:  # the small tables' buckets moved: new bucket tensors
-            changes.update(plan=plan, tensors=PlanTensors.build(plan, self.current_device))
+        # The small tables' buckets moved, or the one-launch forward's slices changed width: new tensors.
+        if plan != self._spec.plan or config.forward.grouped_block_d != self._spec.tensors.chunk_width:
+            changes.update(plan=plan, tensors=PlanTensors.build(plan, self.current_device,
+                                                                config.forward.grouped_block_d))
         self._spec = dataclasses.replace(self._spec, **changes)
         self._backward_graphs.clear()
         self._cached_call = None

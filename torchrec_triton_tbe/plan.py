@@ -196,13 +196,28 @@ class PlanTensors:
     feature_key_offset: torch.Tensor  # int64 [T] sort key of row 0 of the feature's table
     bucket_features: tuple[torch.Tensor, ...]  # int32 [T_k] per bucket
     bucket_key_bounds: torch.Tensor  # [K + 1] key_dtype: bucket k owns keys [b[k], b[k+1])
+    # The one-launch pooled forward's entries (ops/forward.py, kernels/forward.py COL_CHUNKS): a
+    # (feature, first column) pair per chunk_width-wide column slice of every feature, the generic
+    # buckets' features first (widest first: their programs are the longest), then the small-table
+    # buckets' (the first grouped_generic entries serve a call whose small tables take their own path).
+    grouped_features: torch.Tensor  # int32 [E]
+    grouped_cols: torch.Tensor  # int32 [E]
+    grouped_generic: int
+    chunk_width: int
 
     @staticmethod
-    def build(plan: TablePlan, device: torch.device) -> "PlanTensors":
+    def build(plan: TablePlan, device: torch.device, chunk_width: int = 64) -> "PlanTensors":
         ftm = plan.feature_table_map
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         key_bounds = [b.key_begin for b in plan.buckets] + [plan.buckets[-1].key_end]
+        entries = []
+        for small in (False, True):
+            if small:
+                generic = len(entries)
+            feats = [t for b in plan.buckets if b.small == small for t in b.features]
+            for t in sorted(feats, key=lambda t: (-plan.feature_dims[t], t)):
+                entries += [(t, c) for c in range(0, plan.feature_dims[t], chunk_width)]
         return PlanTensors(
             feature_table=torch.tensor(ftm, **i32),
             feature_dim=torch.tensor(plan.feature_dims, **i32),
@@ -213,4 +228,8 @@ class PlanTensors:
             feature_key_offset=torch.tensor([plan.key_offsets[k] for k in ftm], **i64),
             bucket_features=tuple(torch.tensor(b.features, **i32) for b in plan.buckets),
             bucket_key_bounds=torch.tensor(key_bounds, dtype=plan.key_dtype, device=device),
+            grouped_features=torch.tensor([t for t, _ in entries], **i32),
+            grouped_cols=torch.tensor([c for _, c in entries], **i32),
+            grouped_generic=generic,
+            chunk_width=chunk_width,
         )

@@ -32,6 +32,14 @@ def repair_indices(idx_ptrs, idx, lmask, num_rows):
 
 
 @triton.jit
+def repaired_view(idx, lmask, num_rows):
+    """The ids repair_indices returns, neither written nor counted: for the forward's column slices
+    (COL_CHUNKS) other than a feature's first, whose program owns the write and the count. A slice may
+    load an id before or after the owner rewrote it; either way it pools row 0 for it, as the owner."""
+    return tl.where(lmask & ((idx < 0) | (idx >= num_rows)), 0, idx)
+
+
+@triton.jit
 def _check_indices_kernel(
     indices_ptr,
     offsets_ptr,

@@ -14,12 +14,17 @@ LANES > 1 (bag lanes): LANES bags side by side, GATHER rows of each per step, a 
     are LANES*GATHER*(4 or 8) bytes (masked past each bag's end, so no extra traffic); per LANES bags
     2*LANES offsets and one [LANES, D] output tile. A group takes ceil(max L / GATHER) steps, so its
     cost follows its longest bag (the host shrinks GATHER for short bags, ops/forward.py).
+COL_CHUNKS (one launch for every D bucket, ops/forward.py): program_id(1) indexes (feature, first
+    column) entries, each BLOCK_D wide, so a feature of width D takes ceil(D / BLOCK_D) programs per bag
+    group, each reading its own column slice of the same rows (the ids are read once per slice, from L2:
+    4 or 8 bytes per lookup against the slice's BLOCK_D*E). Bytes per lookup are unchanged; what changes
+    is one launch instead of one per bucket, where small batches are bound by the host's issue rate.
 """
 
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices
+from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices, repaired_view
 from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask, out_row_start
 
 
@@ -31,6 +36,7 @@ def _pooled_forward_kernel(
     psw_ptr,
     out_ptr,
     bucket_features_ptr,
+    entry_cols_ptr,
     feature_dim_ptr,
     feature_weight_offset_ptr,
     feature_out_offset_ptr,
@@ -50,6 +56,7 @@ def _pooled_forward_kernel(
     LANES: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
+    COL_CHUNKS: tl.constexpr = False,
 ):
     """
     One program = BAGS * LANES consecutive bags of one feature of this D bucket
@@ -64,6 +71,8 @@ def _pooled_forward_kernel(
         OUT_MAP (VBE): the 1-D output, bag (t, b) written at feature_out_offset_ptr[t * B + b] (a per-bag
         table; -1: a padding bag, not written). OUT_ALIGN: a power of two dividing every output row start.
     bucket_features_ptr: [T_k] int32 features of this bucket; program_id(1) indexes it.
+    entry_cols_ptr: COL_CHUNKS: [E] int32 first column of entry program_id(1), whose feature is
+        bucket_features_ptr[program_id(1)] (a multiple of BLOCK_D); otherwise unused.
     feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
     warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
     ACC_FP64: accumulate in fp64 (fp32 weights, as FBGEMM) instead of fp32.
@@ -71,19 +80,24 @@ def _pooled_forward_kernel(
     ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
         emit 16-byte vector loads although D is only known at run time.
     LANES: bags pooled side by side (1: one bag at a time, the sequential path).
+    COL_CHUNKS: the program pools columns [c0, c0 + BLOCK_D) of its feature (see the module docstring).
     """
     pid_b = tl.program_id(0)
     t = tl.load(bucket_features_ptr + tl.program_id(1))
+    c0 = 0
+    if COL_CHUNKS:
+        c0 = tl.load(entry_cols_ptr + tl.program_id(1))
     # ALIGN divides D: saying so makes the column mask constant over ALIGN-wide groups, so masked
     # rows still load as 16-byte vectors (without it every element is a scalar load).
     D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN
-    w_base = tl.load(feature_weight_offset_ptr + t)
+    # The slice's start folds into the row base (c0 is a multiple of BLOCK_D, itself of ALIGN).
+    w_base = tl.load(feature_weight_offset_ptr + t) + c0
     o_col = 0
     if not OUT_MAP:
         o_col = tl.load(feature_out_offset_ptr + t)
     num_rows = tl.load(feature_rows_ptr + t)
     cols = tl.arange(0, BLOCK_D)
-    cmask = column_mask(cols, D, EVEN_D, BLOCK_D)
+    cmask = column_mask(cols, D - c0, EVEN_D, BLOCK_D)
     g = tl.arange(0, GATHER)
     acc_ty = tl.float64 if ACC_FP64 else tl.float32
     repaired = tl.full([], 0, tl.int32)
@@ -97,8 +111,11 @@ def _pooled_forward_kernel(
                     lmask = (j + g) < end
                     idx = tl.load(indices_ptr + j + g, mask=lmask, other=0)
                     if BOUNDS_MODE != REPAIR_OFF:
-                        idx, nbad = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
-                        repaired += nbad
+                        if c0 == 0:
+                            idx, nbad = repair_indices(indices_ptr + j + g, idx, lmask, num_rows)
+                            repaired += nbad
+                        else:
+                            idx = repaired_view(idx, lmask, num_rows)
                     row = tl.multiple_of(w_base + idx.to(tl.int64) * D, ALIGN)
                     tile = tl.load(
                         weights_ptr + row[:, None] + cols[None, :],
@@ -117,7 +134,7 @@ def _pooled_forward_kernel(
                 omask = cmask
                 if OUT_MAP:
                     omask = cmask & (out_row >= 0)
-                out_row = tl.multiple_of(out_row, OUT_ALIGN)
+                out_row = tl.multiple_of(out_row + c0, OUT_ALIGN)
                 # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
                 tl.store(out_ptr + out_row + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -139,8 +156,11 @@ def _pooled_forward_kernel(
                     lmask = pos < end[:, None]
                     idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
                     if BOUNDS_MODE != REPAIR_OFF:
-                        idx, nbad = repair_indices(indices_ptr + pos, idx, lmask, num_rows)
-                        repaired += nbad
+                        if c0 == 0:
+                            idx, nbad = repair_indices(indices_ptr + pos, idx, lmask, num_rows)
+                            repaired += nbad
+                        else:
+                            idx = repaired_view(idx, lmask, num_rows)
                     row = tl.multiple_of(w_base + idx.to(tl.int64) * D, [ALIGN, ALIGN])
                     tile = tl.load(
                         weights_ptr + row[:, :, None] + cols[None, None, :],
@@ -159,7 +179,7 @@ def _pooled_forward_kernel(
                 out_row = out_row_start(feature_out_offset_ptr, o_col, t, b, B, total_D, live, OUT_MAP)
                 if OUT_MAP:
                     live = live & (out_row >= 0)
-                out_row = tl.multiple_of(out_row, OUT_ALIGN)
+                out_row = tl.multiple_of(out_row + c0, OUT_ALIGN)
                 # Through fp32: a direct fp64 -> bf16 conversion is not supported everywhere.
                 tl.store(
                     out_ptr + out_row[:, None] + cols[None, :],

@@ -1,6 +1,8 @@
 """Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]
-(spread over forward.bucket_streams streams when the forward is large enough); small-table buckets
-(ops/small_table.py) first, on the caller's stream, where the call allows that path.
+(spread over forward.bucket_streams streams when the forward is large enough), or at batches of at most
+forward.grouped_max_batch one launch for every bucket, grid [cdiv(B, ...), E] over the features' column
+slices; small-table buckets (ops/small_table.py) first, on the caller's stream, where the call allows
+that path.
 Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence_block)]."""
 
 from __future__ import annotations
@@ -83,21 +85,22 @@ def pooled_forward(
     weighted = per_sample_weights is not None
     out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
     out_align = None if vbe is None else vbe.out_align
-    launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align)
-    if small_table.applies(spec, vbe):
+    small = small_table.applies(spec, vbe)
+    launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align, small)
+    if small:
         for k, bucket in enumerate(spec.plan.buckets):
             if bucket.small and bucket.features:
                 small_table.forward(spec, k, weights, indices, offsets, per_sample_weights, out, B)
-        launches = [item for item in launches if not spec.plan.buckets[item[0]].small]
     streams = bucket_streams(spec.config.forward, len(launches), indices.numel(), weights.device)
-    for i, (k, grid, constexprs, warps) in enumerate(launches):
+    for i, (features, cols, grid, constexprs, warps) in enumerate(launches):
         args = (
             weights,
             indices,
             offsets,
             per_sample_weights if weighted else weights,
             out,
-            tensors.bucket_features[k],
+            features,
+            cols,
             tensors.feature_dim,
             tensors.feature_weight_offset,
             out_offset,
@@ -136,25 +139,36 @@ def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor
     return out
 
 
+def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> list:
+    """The buckets a pooled forward of batch ``B`` launches as one (forward.grouped_max_batch), or []
+    for one launch per bucket. From host ints only."""
+    if not 0 < B <= spec.config.forward.grouped_max_batch:
+        return []
+    ks = [k for k, b in enumerate(spec.plan.buckets) if b.features and not (skip_small and b.small)]
+    return ks if len(ks) > 1 else []
+
+
 def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
-              out_align: Optional[int] = None) -> list:
-    """(bucket, grid, constexprs, num_warps) of each launch; memoised per spec on the host ints they
-    depend on (the mean bag length only through lanes_gather's power of two). ``out_align``: VBE's
-    (ops/vbe.py: output rows through the per-bag table); None: the fixed-batch [B, total_D] output."""
+              out_align: Optional[int] = None, skip_small: bool = False) -> list:
+    """(features, entry columns, grid, constexprs, num_warps) of each launch; memoised per spec on the
+    host ints they depend on (the mean bag length only through lanes_gather's power of two).
+    ``out_align``: VBE's (ops/vbe.py: output rows through the per-bag table); None: the fixed-batch
+    [B, total_D] output. ``skip_small``: the small-table buckets take their own path in this call."""
     num_bags = B * spec.plan.num_features
-    key = ("forward", B, mean_bag_pow2(num_lookups, num_bags), weighted, weight_bytes, out_align)
+    key = ("forward", B, mean_bag_pow2(num_lookups, num_bags), weighted, weight_bytes, out_align, skip_small)
     found = spec.launch_plans.get(key)
     if found is not None:
         return found
-    plan, cfg = spec.plan, spec.config.forward
+    plan, cfg, tensors = spec.plan, spec.config.forward, spec.tensors
     mode = fused_repair_mode(spec)
-    launches = []
-    for k, bucket in enumerate(plan.buckets):
-        if not bucket.features:
-            continue
-        if len(bucket.features) > MAX_GRID_Y:
-            raise ValueError(f"{len(bucket.features)} features share BLOCK_D={bucket.block_d}; at most {MAX_GRID_Y}")
-        bd = bucket.block_d
+
+    def one(ks: list, bd: int, n: int, features: torch.Tensor, cols: Optional[torch.Tensor]) -> tuple:
+        """The launch of buckets ``ks`` at BLOCK_D ``bd`` over ``n`` grid-y entries (column slices
+        ``cols`` of ``features``; None: whole features)."""
+        if n > MAX_GRID_Y:
+            raise ValueError(f"{n} features (or column slices) in one forward launch at BLOCK_D={bd}; "
+                             f"at most {MAX_GRID_Y}")
+        align = min(spec.bucket_align[k] for k in ks)
         bags, lanes, gather = cfg.knobs(bd, weight_bytes, B)
         if lanes > 1:
             gather = lanes_gather(gather, num_lookups, num_bags)
@@ -163,16 +177,28 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             WEIGHTED=weighted,
             BOUNDS_MODE=mode,
             ACC_FP64=spec.weights_dtype == torch.float32,
-            EVEN_D=spec.bucket_even_d[k],
-            ALIGN=spec.bucket_align[k],
+            EVEN_D=len(ks) == 1 and spec.bucket_even_d[ks[0]],
+            ALIGN=align,
             BLOCK_D=bd,
             GATHER=gather,
             BAGS=bags,
             LANES=lanes,
             OUT_MAP=out_align is not None,
-            OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
+            OUT_ALIGN=align if out_align is None else min(out_align, align),
+            COL_CHUNKS=cols is not None,
         )
-        grid = (cdiv(B, bags * lanes), len(bucket.features))
-        launches.append((k, grid, constexprs, tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)))
+        grid = (cdiv(B, bags * lanes), n)
+        return features, features if cols is None else cols, grid, constexprs, tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
+
+    grouped = grouped_buckets(spec, B, skip_small)
+    if grouped:
+        # Slices no wider than the widest bucket: where every table is narrower than chunk_width, each
+        # feature is one entry at column 0 (PlanTensors) and the tile the widest bucket's.
+        bd = min(tensors.chunk_width, max(plan.buckets[k].block_d for k in grouped))
+        n = tensors.grouped_generic if skip_small else tensors.grouped_features.numel()
+        launches = [one(grouped, bd, n, tensors.grouped_features, tensors.grouped_cols)]
+    else:
+        launches = [one([k], b.block_d, len(b.features), tensors.bucket_features[k], None)
+                    for k, b in enumerate(plan.buckets) if b.features and not (skip_small and b.small)]
     spec.launch_plans[key] = launches
     return launches
