@@ -22,6 +22,7 @@ from tbe_cases import (
     skewed_batch,
     tolerance,
 )
+from test_vbe import vbe_batch
 from torchrec_triton_tbe.config import KnobTable, load_named
 from torchrec_triton_tbe.ops.forward import bucket_streams, lanes_gather
 
@@ -154,11 +155,16 @@ def test_bag_lanes_match_sequential(pooling, weighted, weights, index_dtype):
 
 @pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
 @pytest.mark.parametrize("lanes", [1, 2, 8])
-def test_bag_lanes_fused_repair(mode, lanes):
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_bag_lanes_fused_repair(mode, lanes, one_launch):
     # Bad ids in several lanes of one group and in the last, partial group: each repaired once, in place.
-    specs, ftm = [(10, 8), (6, 12)], [0, 1]
+    # one_launch (forward.grouped_max_batch, 16-wide slices): feature 0 (32 wide) takes two slices; both
+    # pool row 0 for a bad id, the one at column 0 writes and counts it.
+    specs, ftm = [(10, 32), (6, 12)], [0, 1]
+    cfg = grouped(lanes) if one_launch else with_lanes(lanes, grouped_max_batch=0)
     ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
-                          kernel_config=with_lanes(lanes))
+                          kernel_config=cfg)
+    assert ours.spec.tensors.grouped_features.numel() == 3
     indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
     offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
     expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
@@ -249,7 +255,8 @@ def test_grouped_launch_only_at_small_batches_over_several_buckets():
     assert len(_launches(single.spec, 8, 40, False, 4)) == 1  # one bucket: its own launch, whole rows
     assert not _launches(single.spec, 8, 40, False, 4)[0][3]["COL_CHUNKS"]
     # Every table narrower than the slice width: one entry per feature, the widest bucket's tile.
-    narrow, _ = make_pair([(40, 8), (30, 4)], [0, 1], oracle="reference", kernel_config=grouped(max_batch=8, block_d=64))
+    narrow, _ = make_pair([(40, 8), (30, 4)], [0, 1], oracle="reference",
+                          kernel_config=grouped(max_batch=8, block_d=64))
     (x,) = _launches(narrow.spec, 8, 40, False, 4)
     assert x[3]["BLOCK_D"] == 8 and x[2][1] == 2
 
@@ -298,40 +305,11 @@ def test_grouped_forward_trains_like_fbgemm():
         assert_close(a, b, "weights after two steps", atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_grouped_fused_repair_counts_each_bad_id_once(mode, lanes):
-    # Feature 0 (32 wide) takes two 16-wide slices: both pool row 0 for a bad id, the first writes and
-    # counts it.
-    specs, ftm = [(10, 32), (6, 12)], [0, 1]
-    ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
-                          kernel_config=grouped(lanes))
-    indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
-    offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
-    expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
-    idx = indices.clone()
-    out = ours(idx, offsets.clone())
-    assert torch.equal(idx, expected_ids), idx
-    assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
-                 atol=1e-6, rtol=1e-6)
-    assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
-
-
 def test_grouped_forward_with_vbe_matches_per_bucket():
     sizes = [[3, 1], [2, 4], [0, 3], [5, 0], [1, 1], [2, 2]]  # features x ranks (an empty feature-rank)
     base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(2))
     ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(2))
-    g = torch.Generator().manual_seed(4)
-    counts = [sum(r) for r in sizes]
-    lengths = torch.randint(0, 5, (sum(counts),), generator=g)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    ids, begin = [], 0
-    for t, k in enumerate(WIDE_FTM):
-        n = int(lengths[begin: begin + counts[t]].sum())
-        begin += counts[t]
-        ids.append(torch.randint(0, WIDE_SPECS[k][0], (n,), generator=g))
-    idx = torch.cat(ids)
+    idx, offsets, _ = vbe_batch(sizes, torch.Generator().manual_seed(4), specs=WIDE_SPECS, ftm=WIDE_FTM)
     with torch.no_grad():
         out = ours(idx, offsets, batch_size_per_feature_per_rank=sizes)
         expected = base(idx, offsets, batch_size_per_feature_per_rank=sizes)
@@ -351,3 +329,16 @@ def test_grouped_forward_leaves_small_tables_to_their_path():
     with torch.no_grad():
         assert_close(ours(x.indices, x.offsets), base(x.indices, x.offsets), "small tables + one launch",
                      **tolerance(torch.float32))
+
+
+def test_grouped_launch_leaves_grids_too_tall_to_the_bucket_launches(monkeypatch):
+    # More slices than one grid's second dimension holds: the per-bucket launches, which fit, run instead.
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+
+    m, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(max_batch=8))
+    slices = m.spec.tensors.grouped_features.numel()
+    assert len(fwd_ops._launches(m.spec, 8, 40, False, 4)) == 1
+    monkeypatch.setattr(fwd_ops, "MAX_GRID_Y", slices - 1)
+    m.spec.launch_plans.clear()
+    launches = fwd_ops._launches(m.spec, 8, 40, False, 4)
+    assert len(launches) == len(m.spec.plan.buckets) and not any(x[3]["COL_CHUNKS"] for x in launches)

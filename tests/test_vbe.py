@@ -27,17 +27,17 @@ FTM = [0, 1, 1, 2]
 SIZES = [[3, 1], [2, 4], [0, 3], [5, 0]]
 
 
-def vbe_batch(sizes, generator, weighted=False, index_dtype=torch.int64, hot=0.3):
+def vbe_batch(sizes, generator, weighted=False, index_dtype=torch.int64, hot=0.3, specs=SPECS, ftm=FTM):
     """Skewed ids for a variable batch: offsets feature-major, each feature's bags rank by rank."""
     counts = [sum(row) for row in sizes]
     lengths = torch.randint(0, 6, (sum(counts),), generator=generator)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
     ids, begin = [], 0
-    for t, k in enumerate(FTM):
+    for t, k in enumerate(ftm):
         n = int(lengths[begin : begin + counts[t]].sum())
         begin += counts[t]
-        tail = (SPECS[k][0] * torch.rand(n, generator=generator) ** 3).long()
+        tail = (specs[k][0] * torch.rand(n, generator=generator) ** 3).long()
         ids.append(torch.where(torch.rand(n, generator=generator) < hot, torch.zeros_like(tail), tail))
     idx = torch.cat(ids)
     psw = torch.rand(idx.numel(), generator=generator) + 0.5 if weighted else None

@@ -53,8 +53,8 @@ def main() -> int:
         mods = build_modules(w, "exact_sgd", RunOptions(device=dev, compare=("fbgemm",)))
         ours, fb = mods["triton"], mods["fbgemm"]
         warmup = max(case.warmup_runs + 1, len(w.requests))
-        row = dict(shape=shape, batch=int(batch), lookups=int(sum(x.indices.numel() for x in w.requests) / len(w.requests)),
-                   ms={}, check={})
+        lookups = sum(x.indices.numel() for x in w.requests) // len(w.requests)
+        row = dict(shape=shape, batch=int(batch), lookups=lookups, ms={}, check={})
         with torch.no_grad():
             row["ms"]["fbgemm_first"] = time_steps(forward_step(fb, w), args.iters, warmup, dev).median_ms
             expected = _call(fb, w, 0)

@@ -141,11 +141,14 @@ def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor
 
 def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> list:
     """The buckets a pooled forward of batch ``B`` launches as one (forward.grouped_max_batch), or []
-    for one launch per bucket. From host ints only."""
+    for one launch per bucket: also where the slices would not fit one grid's second dimension (the
+    bucket launches, T_k features each, still do). From host ints only."""
     if not 0 < B <= spec.config.forward.grouped_max_batch:
         return []
     ks = [k for k, b in enumerate(spec.plan.buckets) if b.features and not (skip_small and b.small)]
-    return ks if len(ks) > 1 else []
+    tensors = spec.tensors
+    slices = tensors.grouped_generic if skip_small else tensors.grouped_features.numel()
+    return ks if len(ks) > 1 and slices <= MAX_GRID_Y else []
 
 
 def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
@@ -188,7 +191,8 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             COL_CHUNKS=cols is not None,
         )
         grid = (cdiv(B, bags * lanes), n)
-        return features, features if cols is None else cols, grid, constexprs, tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
+        warps = tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
+        return features, features if cols is None else cols, grid, constexprs, warps
 
     grouped = grouped_buckets(spec, B, skip_small)
     if grouped:
