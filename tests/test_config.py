@@ -51,9 +51,6 @@ def test_knob_table_lookup():
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
         (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
         (("forward", "bucket_streams_min_lookups", -1), "forward.bucket_streams_min_lookups must be >= 0"),
-        (("small_table", "ids_per_step", 12), "small_table.ids_per_step, apply_rows and apply_chunks must be powers"),
-        (("small_table", "apply_chunks", 0), "small_table.ids_per_step, apply_rows and apply_chunks must be powers"),
-        (("small_table", "forward", 1), "small_table.forward must be true or false"),
     ],
 )
 def test_bad_knobs_are_rejected(patch, match, tmp_path):

@@ -31,15 +31,14 @@ SPECS = [(9, 8), (40, 12), (300, 16), (64, 4), (5, 8)]
 FTM = [0, 1, 2, 3, 4, 4]
 
 
-def _train(config, optimizer, pooling, weighted, weights=SparseType.FP32, steps=2, index_dtype=torch.int64, B=20,
-           **kw):
+def _train(config, optimizer, pooling, weighted, weights=SparseType.FP32, steps=2, index_dtype=torch.int64, **kw):
     ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=config, optimizer=optimizer,
                         pooling_mode=pooling, weights_precision=weights, learning_rate=0.2, eps=0.05,
                         weight_decay=0.01, **kw)
     g = torch.Generator().manual_seed(22)
     for _ in range(steps):
         # Bags of up to 48 ids over tables of 5 to 64 rows: small rows repeat within a bag.
-        batch = skewed_batch([r for r, _ in SPECS], FTM, B=B, max_L=48, generator=g, weighted=weighted,
+        batch = skewed_batch([r for r, _ in SPECS], FTM, B=20, max_L=48, generator=g, weighted=weighted,
                              index_dtype=index_dtype)
         out = ours(batch.indices, batch.offsets, batch.per_sample_weights)
         out.backward(torch.randn(out.shape, generator=g))
@@ -113,23 +112,6 @@ def test_small_path_matches_fbgemm(optimizer, index_dtype):
             assert_close(x, y, f"table {t}: state", atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(groups=1, ids_per_step=1, apply_rows=16, apply_chunks=1),
-    dict(groups=1, ids_per_step=32, apply_rows=4, apply_chunks=2),
-    dict(groups=2, ids_per_step=8, apply_rows=64, apply_chunks=4),
-], ids=["one-id-per-step", "wide-steps-narrow-apply", "one-apply-program"])
-def test_histogram_and_apply_tiling_change_only_summation_order(knobs):
-    # B = 40 bags in chunks of 16 (groups=1): 3 chunks, so apply steps of 2 end on a partial step; rows
-    # per apply program 4 (several programs per table), 16 and 64 (one program for the widest table);
-    # ids per step 1 (the old schedule), 8 and 32 (a bag of up to 48 ids ends mid-step).
-    cfg = SMALL.replace_small_table(**knobs)
-    generic = _train(BASE, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, B=40)
-    small = _train(cfg, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, True, B=40)
-    for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
-        assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
-    assert_close(small.momentum1, generic.momentum1, "momentum1", atol=1e-5, rtol=1e-5)
-
-
 def _refuse_small(*_args, **_kwargs):
     raise AssertionError("the small-table kernels ran")
 
@@ -158,23 +140,6 @@ def test_calls_the_path_cannot_take_run_the_generic_kernels(monkeypatch):
         at += b
     out = ours(torch.cat(ids), offsets, batch_size_per_feature_per_rank=[[b] for b in Bs])
     out.backward(torch.randn(out.shape, generator=g))
-
-
-@pytest.mark.parametrize("own", ["forward", "backward"])
-def test_each_pass_takes_the_path_on_its_own(monkeypatch, own):
-    # small_table.forward / .backward: the pass switched off runs those tables through the generic
-    # kernels, the other still takes the small path, and training is the generic path's.
-    other = "backward" if own == "forward" else "forward"
-    cfg = SMALL.replace_small_table(**{other: False})
-    ran = []
-    real = getattr(small_ops, own)
-    monkeypatch.setattr(small_ops, own, lambda *a, **k: (ran.append(own), real(*a, **k))[1])
-    monkeypatch.setattr(small_ops, other, _refuse_small)
-    trained = _train(cfg, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True)
-    generic = _train(BASE, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True)
-    assert ran  # two steps, three small tables: the pass that kept the path ran it
-    for t, (a, b) in enumerate(zip(trained.split_embedding_weights(), generic.split_embedding_weights())):
-        assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
 
 
 def test_switching_the_path_on_mid_training_keeps_training():

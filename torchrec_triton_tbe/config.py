@@ -171,22 +171,14 @@ class SmallTableConfig:
     bags: int = 16  # bags per histogram (the dot's M / K): a power of two >= 16
     groups: int = 8  # histograms per program (the table is loaded once per program)
     num_warps: int = 4
-    ids_per_step: int = 16  # ids of each bag compared with the rows per histogram step (a power of two)
-    apply_rows: int = 16  # rows per program of the backward's apply (a power of two; at most the padded rows)
-    apply_chunks: int = 8  # bag chunks' partials summed per apply step (a power of two)
-    forward: bool = True  # which passes take the path (each reads the ids itself; the other keeps the
-    backward: bool = True  # generic kernels for those tables)
 
 
 def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
-    fields = {f.name: f for f in dataclasses.fields(SmallTableConfig)}
-    unknown = sorted(set(d) - set(fields))
+    known = {f.name for f in dataclasses.fields(SmallTableConfig)}
+    unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"invalid kernel config {where}: unknown small_table keys {unknown} (known: {sorted(fields)})")
-    for k in ("forward", "backward"):
-        if k in d and not isinstance(d[k], bool):
-            raise ValueError(f"invalid kernel config {where}: small_table.{k} must be true or false, got {d[k]!r}")
-    return SmallTableConfig(**{k: v if fields[k].type in (bool, "bool") else int(v) for k, v in d.items()})
+        raise ValueError(f"invalid kernel config {where}: unknown small_table keys {unknown} (known: {sorted(known)})")
+    return SmallTableConfig(**{k: int(v) for k, v in d.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,8 +357,6 @@ class KernelConfig:
             problems.append("small_table.max_dim and small_table.groups must be >= 1")
         if not (pow2(st.bags) and st.bags >= 16) or not pow2(st.num_warps):
             problems.append("small_table.bags must be a power of two >= 16 and small_table.num_warps a power of two")
-        if not all(pow2(v) for v in (st.ids_per_step, st.apply_rows, st.apply_chunks)):
-            problems.append("small_table.ids_per_step, apply_rows and apply_chunks must be powers of two")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

@@ -37,13 +37,9 @@ def _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD: tl.constexpr, BLOCK
 @triton.jit
 def _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
                POOLING_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, COUNTS: tl.constexpr,
-               BAGS: tl.constexpr, E_PAD: tl.constexpr, IDS: tl.constexpr):
+               BAGS: tl.constexpr, E_PAD: tl.constexpr):
     """Bags b0 .. b0 + BAGS of feature t: (H [BAGS, E_PAD] fp32, per-row lookup counts [E_PAD] int32
-    (COUNTS; zeros otherwise), the bags' mask [BAGS]). Ids outside [0, E_PAD) match no row.
-
-    IDS ids of every bag per step, compared with every row at once ([BAGS, IDS, E_PAD]): one id per
-    bag per step made a bag of 200 ids a chain of 200 dependent global loads, which is what the path's
-    time was (on the H200 it lost to the generic gathers by 1.3-2.3x)."""
+    (COUNTS; zeros otherwise), the bags' mask [BAGS]). Ids outside [0, E_PAD) match no row."""
     b = b0 + tl.arange(0, BAGS)
     bm = b < B
     bag = t.to(tl.int64) * B + b
@@ -53,22 +49,17 @@ def _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
     steps = tl.max(L, axis=0)
     h = tl.zeros([BAGS, E_PAD], dtype=tl.float32)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for j in range(0, steps, IDS):
-        jj = j + tl.arange(0, IDS)
-        m = jj[None, :] < L[:, None]
-        pos = start[:, None] + jj[None, :]
-        raw = tl.load(indices_ptr + pos, mask=m, other=-1)
-        # Compared as int32 (half the registers of int64 at [BAGS, IDS, E_PAD]), after the range
-        # test in the ids' own type, so an id past 2**31 cannot wrap onto a row.
-        ids = tl.where(m & (raw >= 0) & (raw < E_PAD), raw, -1).to(tl.int32)
-        hit = ids[:, :, None] == rows[None, None, :]
+    for j in range(0, steps):
+        m = j < L
+        ids = tl.load(indices_ptr + start + j, mask=m, other=-1).to(tl.int32)
+        hit = (ids[:, None] == rows[None, :]) & m[:, None]
         if WEIGHTED:
-            w = tl.load(psw_ptr + pos, mask=m, other=0.0).to(tl.float32)
-            h += tl.sum(tl.where(hit, w[:, :, None], 0.0), axis=1)
+            w = tl.load(psw_ptr + start + j, mask=m, other=0.0).to(tl.float32)
+            h += tl.where(hit, w[:, None], 0.0)
         else:
-            h += tl.sum(hit.to(tl.float32), axis=1)
+            h += hit.to(tl.float32)
         if COUNTS:
-            counts += tl.sum(tl.sum(hit.to(tl.int32), axis=1), axis=0)
+            counts += tl.sum(hit.to(tl.int32), axis=0)
     if POOLING_MEAN:
         h = h / tl.maximum(L, 1).to(tl.float32)[:, None]
     return h, counts, bm
@@ -94,7 +85,6 @@ def _small_forward_kernel(
     E_PAD: tl.constexpr,
     BAGS: tl.constexpr,
     GROUPS: tl.constexpr,
-    IDS: tl.constexpr,
 ):
     """Grid [cdiv(B, BAGS * GROUPS), T_k]: GROUPS groups of BAGS bags of one small-table feature.
     out_ptr: [B, total_D] (the fixed-batch layout only: no VBE here)."""
@@ -107,7 +97,7 @@ def _small_forward_kernel(
     for g in range(GROUPS):
         b0 = (tl.program_id(0) * GROUPS + g) * BAGS
         h, _, bm = _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
-                              POOLING_MEAN, WEIGHTED, False, BAGS, E_PAD, IDS)
+                              POOLING_MEAN, WEIGHTED, False, BAGS, E_PAD)
         pooled = tl.dot(h, table, input_precision="ieee")
         b = (b0 + tl.arange(0, BAGS)).to(tl.int64)
         o_ptrs = out_ptr + (b * total_D + o_col)[:, None] + cols[None, :]
@@ -134,7 +124,6 @@ def _small_backward_partials_kernel(
     E_PAD: tl.constexpr,
     BAGS: tl.constexpr,
     GROUPS: tl.constexpr,
-    IDS: tl.constexpr,
 ):
     """Grid [n_chunks, T_k]: chunk c of a small-table feature's bags (GROUPS groups of BAGS) into its
     partial gradient [E_PAD, BLOCK_D] and lookup counts [E_PAD] (slot k * n_chunks + c)."""
@@ -148,7 +137,7 @@ def _small_backward_partials_kernel(
     for g in range(GROUPS):
         b0 = (c * GROUPS + g) * BAGS
         h, counts, bm = _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
-                                   POOLING_MEAN, WEIGHTED, True, BAGS, E_PAD, IDS)
+                                   POOLING_MEAN, WEIGHTED, True, BAGS, E_PAD)
         b = (b0 + tl.arange(0, BAGS)).to(tl.int64)
         g_ptrs = grad_out_ptr + (b * total_D + o_col)[:, None] + cols[None, :]
         dout = tl.load(g_ptrs, mask=bm[:, None] & cmask[None, :], other=0.0).to(tl.float32)
@@ -184,42 +173,28 @@ def _small_backward_apply_kernel(
     BLOCK_D: tl.constexpr,
     RNG_D: tl.constexpr,
     E_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr,
 ):
-    """Grid [T_k, E_PAD / ROWS]: ROWS rows of a small table, their partials summed CHUNKS chunks per
-    step (chunk order within and across steps: deterministic), then one optimizer step for each row
-    the batch touched (a lookup count > 0, per-sample weight or not: as a run of the generic path).
-    One program per table summed its n_chunks partials one at a time, a chain of n_chunks dependent
-    loads on 8 programs at B = 16 k. RNG_D: the bucket's BLOCK_D, so stochastic rounding draws the
-    generic path's bits."""
+    """Grid [T_k]: a small table's partials summed in chunk order, then one optimizer step for each of
+    its rows the batch touched (a lookup count > 0, per-sample weight or not: as a run of the generic
+    path). RNG_D: the bucket's BLOCK_D, so stochastic rounding draws the generic path's bits."""
     k = tl.program_id(0)
-    t = tl.load(bucket_features_ptr + k)
-    D = tl.load(feature_dim_ptr + t)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    cc = tl.arange(0, CHUNKS)
+    t, D, rows, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
     E = tl.load(feature_rows_ptr + t)
     lr = tl.load(lr_ptr)
     step = tl.load(step_ptr)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.int32)
-    base = k.to(tl.int64) * n_chunks
-    for c0 in range(0, n_chunks, CHUNKS):
-        cm = c0 + cc < n_chunks
-        slot = base + c0 + cc
-        p_ptrs = partials_ptr + (slot * (E_PAD * BLOCK_D))[:, None, None] + (rows * BLOCK_D)[None, :, None] \
-            + cols[None, None, :]
-        acc += tl.sum(tl.load(p_ptrs, mask=cm[:, None, None], other=0.0), axis=0)
-        total += tl.sum(tl.load(counts_ptr + (slot * E_PAD)[:, None] + rows[None, :], mask=cm[:, None], other=0),
-                        axis=0)
+    acc = tl.zeros([E_PAD, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(0, n_chunks):
+        slot = k.to(tl.int64) * n_chunks + c
+        acc += tl.load(partials_ptr + slot * (E_PAD * BLOCK_D) + rows[:, None] * BLOCK_D + cols[None, :])
+        total += tl.load(counts_ptr + slot * E_PAD + rows)
     act = (rows < E) & (total > 0)
     umask = act[:, None] & (cols[None, :] < D)
     w_off = tl.load(feature_weight_offset_ptr + t) + rows[:, None].to(tl.int64) * D + cols[None, :]
     w = tl.load(weights_ptr + w_off, mask=umask, other=0.0).to(tl.float32)
     state_row = tl.load(feature_row_offset_ptr + t) + rows
     apply_rows_update(
-        weights_ptr, w_off, w, tl.where(umask, acc, 0.0), umask, act, tl.zeros([ROWS], dtype=tl.int32) + D,
+        weights_ptr, w_off, w, tl.where(umask, acc, 0.0), umask, act, tl.zeros([E_PAD], dtype=tl.int32) + D,
         state_row, m1_ptr, m2_ptr, m3_ptr, lr, hyper_ptr, step,
         (state_row[:, None] * RNG_D + cols[None, :]).to(tl.int32), OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
         SR_DROP_BITS,

@@ -24,13 +24,9 @@ from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
-def applies(spec: TBESpec, vbe, backward: bool) -> bool:
-    """Whether this call's forward (``backward`` False) or backward takes the small-table path for the
-    plan's small buckets (config small_table.forward / .backward: each pass on its own, as each reads
-    the ids itself)."""
-    st = spec.config.small_table
-    return (bool(spec.plan.small_tables) and (st.backward if backward else st.forward) and vbe is None
-            and not spec.nobag and not spec.fused_bounds_check)
+def applies(spec: TBESpec, vbe) -> bool:
+    """Whether this call takes the small-table path for the plan's small buckets."""
+    return bool(spec.plan.small_tables) and vbe is None and not spec.nobag and not spec.fused_bounds_check
 
 
 def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
@@ -53,7 +49,7 @@ def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor,
          tensors.feature_dim, tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, B,
          spec.plan.total_D),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
-             GROUPS=st.groups, IDS=st.ids_per_step),
+             GROUPS=st.groups),
         tile_warps(st.num_warps, max(e_pad, st.bags) * bd),
     )
 
@@ -80,16 +76,15 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
          tensors.bucket_features[k], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
          n_chunks),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
-             GROUPS=st.groups, IDS=st.ids_per_step),
+             GROUPS=st.groups),
         warps,
     )
-    rows = min(st.apply_rows, e_pad)
     launch(
         _small_backward_apply_kernel,
-        (features, e_pad // rows),
+        (features,),
         (*optim_state, partials, counts, tensors.bucket_features[k], tensors.feature_dim, tensors.feature_rows,
          tensors.feature_weight_offset, tensors.feature_row_offset, n_chunks),
         dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=bucket.block_d,
-             E_PAD=e_pad, ROWS=rows, CHUNKS=st.apply_chunks),
-        tile_warps(st.num_warps, st.apply_chunks * rows * bd),
+             E_PAD=e_pad),
+        tile_warps(st.num_warps, e_pad * bd),
     )
