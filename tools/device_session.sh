@@ -11,8 +11,8 @@
 #   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
 #   demo-prod   the same on production-shaped tables with fp16 weights (DEMO_RUNS of shape:batch, default
 #               prod_t40_b16k at 8192 and 2048, prod_t100_b2k at 2048; the concatenating model)
-#   small-table the small-table path off and at 64 rows (config small_table), fwd + bwd, --check, on
-#               SMALL_SHAPES (default prod_small_b16k, prod_t40_b16k, prod_t100_b2k)
+#   small-table the small-table path off and at 64 rows (config small_table) in SMALL_VARIANTS of its knobs,
+#               fwd + bwd, --check, on SMALL_SHAPES (default prod_small_b16k, prod_t40_b16k, prod_t100_b2k)
 #   first-step  cold and warm first step of a production-shaped model (FIRST_STEP_SHAPE), fused vs ours, and
 #               tools/first_step.py: the step's specializations and their compile time on 1, 4, 16 processes,
 #               replayed on 16 workers in both job orders, and a worker's first job cold and warmed up
@@ -171,20 +171,29 @@ PY
       grep -i "check\|skipped\|error\|fail" "$OUT/peers.log" | grep -v "_fbgemm_torch_compat" | tail -12
       python tools/perf_table.py "$OUT/h200_peers.json" | tail -20 ;;
     small-table)
-      # The small-table path (config small_table.max_rows) off (the shipped value) and at 64 rows, on the
-      # shapes with such tables, --check against FBGEMM first (issue 14: keep it only where it wins).
-      python - <<'PY'
-import yaml
-cfg = yaml.safe_load(open("configs/sm90.yaml"))
-cfg["small_table"] = dict(cfg.get("small_table") or {}, max_rows=64)
-yaml.safe_dump(cfg, open("/tmp/sm90_small64.yaml", "w"))
+      # The small-table path (config small_table) off (the shipped value) and at 64 rows, one config per
+      # SMALL_VARIANTS entry (name=key:value,key:value over configs/sm90.yaml's small_table; default: 64
+      # rows with the shipped knobs), on the shapes with such tables, --check against FBGEMM
+      # first (issue 14: keep it only where it wins).
+      SMALL_VARIANTS="${SMALL_VARIANTS:-on=max_rows:64}" python - <<'PY'
+import os, yaml
+for v in os.environ["SMALL_VARIANTS"].split():
+    name, knobs = v.split("=")
+    cfg = yaml.safe_load(open("configs/sm90.yaml"))
+    st = dict(cfg.get("small_table") or {})
+    for kv in knobs.split(","):
+        k, val = kv.split(":")
+        st[k] = yaml.safe_load(val)
+    cfg["small_table"] = st
+    yaml.safe_dump(cfg, open(f"/tmp/sm90_small_{name}.yaml", "w"))
 PY
-      for cfg in configs/sm90.yaml /tmp/sm90_small64.yaml; do
+      for cfg in configs/sm90.yaml $(for v in ${SMALL_VARIANTS:-on}; do echo /tmp/sm90_small_${v%%=*}.yaml; done); do
         tag=$(basename $cfg .yaml); echo "-- $tag"
-        timeout 270 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
-          --passes fwd,bwd --optimizer exact_sgd,exact_rowwise_adagrad \
+        timeout ${SMALL_TIMEOUT:-270} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
+          --iters 20 --passes fwd,bwd --optimizer "${SMALL_OPTIMIZERS:-exact_sgd,exact_rowwise_adagrad}" \
           --only "${SMALL_SHAPES:-prod_small_b16k,prod_t40_b16k,prod_t100_b2k}" --kernel-config $cfg \
           --json "$OUT/small_$tag.json" > "$OUT/small_$tag.log" 2>&1; echo "rc=$?"
+        cp $cfg "$OUT/" 2>/dev/null
         grep -i "check\|error\|fail" "$OUT/small_$tag.log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -4
         python tools/perf_table.py "$OUT/small_$tag.json" | tail -6
       done ;;
