@@ -56,7 +56,9 @@ def main() -> int:
         ours, fb = mods["triton"], mods["fbgemm"]
         warmup = max(case.warmup_runs + 1, len(w.requests))
         lookups = sum(x.indices.numel() for x in w.requests) // len(w.requests)
-        row = dict(shape=shape, batch=int(batch), lookups=lookups, ms={}, check={})
+        # D buckets with features: the one launch replaces that many (it needs two at least).
+        buckets = sum(1 for b in ours.spec.plan.buckets if b.features)
+        row = dict(shape=shape, batch=int(batch), lookups=lookups, buckets=buckets, ms={}, check={})
         with torch.no_grad():
             row["ms"]["fbgemm_first"] = time_steps(forward_step(fb, w), args.iters, warmup, dev).median_ms
             expected = _call(fb, w, 0)

@@ -139,16 +139,17 @@ def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor
     return out
 
 
-def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> list:
-    """The buckets a pooled forward of batch ``B`` launches as one (forward.grouped_max_batch), or []
-    for one launch per bucket: also where the slices would not fit one grid's second dimension (the
-    bucket launches, T_k features each, still do). From host ints only."""
+def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> tuple[list, int]:
+    """(the buckets a pooled forward of batch ``B`` launches as one (forward.grouped_max_batch), their
+    column slices: the first entries of PlanTensors.grouped_features), or ([], 0) for one launch per
+    bucket: also where the slices would not fit one grid's second dimension (the bucket launches, T_k
+    features each, still do). From host ints only."""
     if not 0 < B <= spec.config.forward.grouped_max_batch:
-        return []
+        return [], 0
     ks = [k for k, b in enumerate(spec.plan.buckets) if b.features and not (skip_small and b.small)]
     tensors = spec.tensors
     slices = tensors.grouped_generic if skip_small else tensors.grouped_features.numel()
-    return ks if len(ks) > 1 and slices <= MAX_GRID_Y else []
+    return (ks, slices) if len(ks) > 1 and slices <= MAX_GRID_Y else ([], 0)
 
 
 def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
@@ -194,12 +195,11 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         warps = tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
         return features, features if cols is None else cols, grid, constexprs, warps
 
-    grouped = grouped_buckets(spec, B, skip_small)
+    grouped, n = grouped_buckets(spec, B, skip_small)
     if grouped:
         # Slices no wider than the widest bucket: where every table is narrower than chunk_width, each
         # feature is one entry at column 0 (PlanTensors) and the tile the widest bucket's.
         bd = min(tensors.chunk_width, max(plan.buckets[k].block_d for k in grouped))
-        n = tensors.grouped_generic if skip_small else tensors.grouped_features.numel()
         launches = [one(grouped, bd, n, tensors.grouped_features, tensors.grouped_cols)]
     else:
         launches = [one([k], b.block_d, len(b.features), tensors.bucket_features[k], None)
