@@ -21,30 +21,13 @@ import json
 import sys
 
 import torch
-import triton
 
+from profile_stages import bench, timed_backward  # tools/ is on sys.path when this script runs
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import load_suite
 from torchrec_triton_tbe.bench.runner import RunOptions, _call, build_modules
 from torchrec_triton_tbe.ops import backward as bwd_ops
 from torchrec_triton_tbe.ops import transpose as tr_ops
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
-
-
-def timed_backward(module, w, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        out = _call(module, w, 0)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        out.backward(w.grad_output)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -77,8 +60,8 @@ def main() -> int:
     psw_f = psw.float() if psw is not None else None
     grad = w.grad_output.to(_call(ours, w, 0).dtype)  # what autograd hands the backward
     res["fused_update"] = bench(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, psw_f, B, indices=idx))
-    res["ours_backward"] = timed_backward(ours, w)
-    res["fbgemm_backward"] = timed_backward(fb, w)
+    res["ours_backward"] = timed_backward(lambda: _call(ours, w, 0), w.grad_output)
+    res["fbgemm_backward"] = timed_backward(lambda: _call(fb, w, 0), w.grad_output)
     # Per bucket: its slots' run statistics (lookups, runs, long runs, longest run).
     lens = (runs.run_start[1:] - runs.run_start[:-1]).to(torch.int64)
     bounds = runs.bucket_run_bounds.tolist()
