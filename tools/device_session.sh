@@ -34,6 +34,9 @@
 #   grouped     the pooled forward in one launch for every D bucket vs one launch per bucket, per slice
 #               width (tools/forward_grouped.py), FBGEMM beside it; writes /tmp/sm90_grouped.yaml with the
 #               best width and the batch up to which it won, for TORCHREC_TRITON_TBE_CONFIG in later steps
+#   variants    configs/sm90.yaml and VARIANTS of it ("name=section.key:value,section.key:value ..."), each
+#               on VARIANT_SHAPES (VARIANT_PASSES, VARIANT_OPTIMIZERS) with --check against FBGEMM, after
+#               VARIANT_TESTS (tests/gpu files) under the first variant's config
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
 #               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
@@ -160,6 +163,30 @@ PY
       done ;;
     reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;
+    variants)
+      VARIANTS="${VARIANTS:-merge=backward.merge_duplicates:true}" python - <<'PY'
+import os, yaml
+for v in os.environ["VARIANTS"].split():
+    name, knobs = v.split("=")
+    cfg = yaml.safe_load(open("configs/sm90.yaml"))
+    for kv in knobs.split(","):
+        path, val = kv.split(":")
+        section, key = path.split(".")
+        cfg.setdefault(section, {})[key] = yaml.safe_load(val)
+    yaml.safe_dump(cfg, open(f"/tmp/sm90_var_{name}.yaml", "w"))
+PY
+      first=/tmp/sm90_var_$(v=${VARIANTS:-merge=}; v=${v%% *}; echo ${v%%=*}).yaml
+      [ -n "$VARIANT_TESTS" ] && TORCHREC_TRITON_TBE_CONFIG=$first timeout ${VARIANT_TESTS_TIMEOUT:-200} \
+        python -m pytest -q -p no:cacheprovider $VARIANT_TESTS 2>&1 | tee "$OUT/tests_variant.txt" | tail -4
+      for cfg in configs/sm90.yaml $(for v in ${VARIANTS:-merge}; do echo /tmp/sm90_var_${v%%=*}.yaml; done); do
+        tag=$(basename $cfg .yaml); echo "-- $tag"
+        timeout ${VARIANT_TIMEOUT:-200} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
+          --iters "${ITERS:-20}" --passes "${VARIANT_PASSES:-bwd}" --optimizer "${VARIANT_OPTIMIZERS:-exact_rowwise_adagrad}" \
+          --only "${VARIANT_SHAPES:-prod_small_b16k,prod_t40_b16k,prod_t40_b4k}" --kernel-config $cfg \
+          --json "$OUT/var_$tag.json" > "$OUT/var_$tag.log" 2>&1; echo "rc=$?"
+        grep -i "check\|error\|fail" "$OUT/var_$tag.log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -4
+        python tools/perf_table.py "$OUT/var_$tag.json" | tail -12
+      done ;;
     peers)
       [ -f .stage/torchrec/torchrec/distributed/triton_tbe/triton_table_batched_embeddings.py ] || {
         echo "no .stage/torchrec: run tools/stage_torchrec_triton.sh and carry .stage/torchrec"; continue; }
