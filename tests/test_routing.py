@@ -1,5 +1,5 @@
 """Knobs change speed, never results: the short/long threshold, the long-run chunk, the tile, the
-persistent grid size, merging duplicate lookups and the forward's gather width and bags per program all give the same weights
+persistent grid size and the forward's gather width and bags per program all give the same weights
 (to fp32 rounding: split-K sums in another order); repeated runs are bitwise identical."""
 
 import pytest
@@ -21,9 +21,6 @@ ROUTINGS = {
     "forward-knobs": BASE.replace_forward(bags_per_program=1, gather=KnobTable(1)),
     "mixed-fused-long": BASE.replace_backward(short_threshold=4, long_chunk=3, long_path="fused"),
     "all-long-fused": BASE.replace_backward(short_threshold=1, long_chunk=4, long_path="fused", programs=3),
-    # BASE merges a bag's duplicate lookups into one gathered row (configs/interpreter.yaml); these don't.
-    "mixed-unmerged": BASE.replace_backward(short_threshold=4, long_chunk=3, merge_duplicates=False),
-    "all-long-unmerged": BASE.replace_backward(short_threshold=1, long_chunk=4, merge_duplicates=False),
 }
 
 
@@ -56,9 +53,6 @@ def test_routing_sweep_gives_the_same_result(pooling, weighted, optimizer):
     assert results["chunk-1"][1][-1]["long_chunks"] == results["chunk-1"][1][-1]["lookups"]
     mixed = results["mixed"][1][-1]
     assert mixed["short_runs"] > 0 and mixed["long_runs"] > 0
-    # Merging applies to unweighted batches, and these hold duplicates within bags.
-    assert (mixed["row_gathers"] < mixed["lookups"]) != weighted
-    assert results["mixed-unmerged"][1][-1]["row_gathers"] == mixed["lookups"]
     for name, (m, _) in results.items():
         for t, (a, b) in enumerate(zip(m.split_embedding_weights(), ref.split_embedding_weights())):
             assert_close(a, b, f"{name}: table {t}", atol=2e-6, rtol=2e-6)

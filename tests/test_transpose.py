@@ -84,46 +84,6 @@ def test_run_plan_matches_a_torch_derivation(threshold, chunk, wide, monkeypatch
     assert stats["runs"] == starts.numel() and stats["long_chunks"] == total
 
 
-@pytest.mark.parametrize("run_block", [4, 16, 1024])
-def test_merged_multiplicities_match_a_torch_derivation(run_block):
-    """backward.merge_duplicates: on the last slot of each stretch of equal (key, bag) slots, cut at the
-    run-flags programs' block edges, the stretch's length; 0 elsewhere. The counts sum to N (every
-    lookup counted once), and the other tables are the unmerged plan's."""
-    import dataclasses
-
-    ours, _ = make_pair(SPECS, FTM)
-    assert ours.spec.config.backward.merge_duplicates  # configs/interpreter.yaml
-    cfg = ours.spec.config
-    cfg = dataclasses.replace(cfg, transpose=dataclasses.replace(cfg.transpose, run_block=run_block))
-    spec = dataclasses.replace(ours.spec, config=cfg)
-    B = 9
-    # Short tables, long bags: most bags hold some row more than once.
-    batch = skewed_batch([r for r, _ in SPECS], FTM, B, 12, torch.Generator().manual_seed(5), hot_fraction=0.5)
-    runs = tr_ops.build_runs(spec, batch.indices, batch.offsets, B)
-    N = batch.indices.numel()
-    keys = runs.sorted_keys.to(torch.int64).tolist()
-    bags = runs.sorted_bags.to(torch.int64).tolist()
-    expected = [0.0] * N
-    begin = 0
-    for i in range(N):
-        if i % run_block == 0 or (keys[i], bags[i]) != (keys[i - 1], bags[i - 1]):
-            begin = i
-        last = i + 1 == N or (i + 1) % run_block == 0 or (keys[i + 1], bags[i + 1]) != (keys[i], bags[i])
-        if last:
-            expected[i] = float(i - begin + 1)
-    assert runs.merged.tolist() == expected
-    assert sum(expected) == N and max(expected) > 1  # the batch has duplicates to merge
-    assert runs.stats()["row_gathers"] == sum(1 for c in expected if c)
-
-    plain = tr_ops.build_runs(dataclasses.replace(spec, config=cfg.replace_backward(merge_duplicates=False)),
-                              batch.indices, batch.offsets, B)
-    assert plain.merged is None and plain.stats()["row_gathers"] == N
-    for name in ("sorted_keys", "perm", "sorted_bags", "run_start", "run_chunk_begin", "bucket_chunk_bounds"):
-        assert torch.equal(getattr(plain, name), getattr(runs, name)), name
-    # Weighted batches are never merged (their stretches would need summed weights).
-    assert tr_ops.build_runs(spec, batch.indices, batch.offsets, B, weighted=True).merged is None
-
-
 def test_run_block_changes_no_table():
     """transpose.run_block (slots per program of the metadata passes) and scan_block (step of the totals'
     scan) are knobs: one program or many, one scan step or many, the run plan's tables are identical

@@ -53,9 +53,8 @@ def main() -> int:
     res["linearize"] = bench(lambda: tr_ops.linearize(spec, idx, off, B))
     keys, _, _ = tr_ops.linearize(spec, idx, off, B)
     res["sort"] = bench(lambda: torch.sort(keys, stable=True))
-    weighted = psw is not None
-    res["run_metadata_all"] = bench(lambda: tr_ops.build_runs(spec, idx, off, B, weighted=weighted))
-    runs = tr_ops.build_runs(spec, idx, off, B, weighted=weighted)
+    res["run_metadata_all"] = bench(lambda: tr_ops.build_runs(spec, idx, off, B))
+    runs = tr_ops.build_runs(spec, idx, off, B)
     res["runs"] = runs.stats()
     state = ours.optimizer_tensors()
     psw_f = psw.float() if psw is not None else None

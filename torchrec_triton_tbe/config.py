@@ -145,10 +145,6 @@ class BackwardConfig:
     # per module.
     graph_max_lookups: int = 0
     graph_cache: int = 8
-    # Unweighted pooled batches: gather a bag's gradient row once per stretch of slots where the bag holds
-    # the same row several times, scaled by the count (kernels/transpose.py _run_flags_kernel), instead
-    # of once per lookup. Costs the run-flags pass a count per slot; pays where bags repeat rows.
-    merge_duplicates: bool = False
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -175,14 +171,6 @@ class SmallTableConfig:
     bags: int = 16  # bags per histogram (the dot's M / K): a power of two >= 16
     groups: int = 8  # histograms per program (the table is loaded once per program)
     num_warps: int = 4
-
-
-def _flag(d: Mapping[str, Any], key: str, section: str, where: str) -> bool:
-    """A true/false knob (absent: false); a string such as "false" is an error, not a truthy value."""
-    v = d.get(key, False)
-    if not isinstance(v, bool):
-        raise ValueError(f"invalid kernel config {where}: {section}.{key} must be true or false, got {v!r}")
-    return v
 
 
 def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
@@ -303,7 +291,6 @@ class KernelConfig:
                 tile_fp32=KnobTable.parse(b["tile_fp32"], "backward.tile_fp32") if "tile_fp32" in b else None,
                 graph_max_lookups=int(b.get("graph_max_lookups", 0)),
                 graph_cache=int(b.get("graph_cache", 8)),
-                merge_duplicates=_flag(b, "merge_duplicates", "backward", source or str(d["target"])),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),

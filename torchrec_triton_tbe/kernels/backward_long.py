@@ -47,7 +47,6 @@ def _backward_long_partials_kernel(
     TILE: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     """
     partials_ptr: [max_chunks, partial_stride] fp32 workspace; chunk c writes row c.
@@ -66,7 +65,7 @@ def _backward_long_partials_kernel(
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
             s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP,
-            OUT_ALIGN, MERGED,
+            OUT_ALIGN,
         )
         # Columns past D are zeros (masked loads); the apply pass never reads them.
         tl.store(partials_ptr + c * partial_stride + cols, partial)
@@ -174,7 +173,6 @@ def _backward_long_fused_kernel(
     TILE: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     """The two passes above in one launch: each chunk stores its partial, then counts itself done on
     its run's counter (counters_ptr[first chunk of the run], zeroed by the host) with acquire-release
@@ -196,7 +194,7 @@ def _backward_long_fused_kernel(
         partial = sum_rows(
             grad_out_ptr, sorted_bags_ptr, sorted_psw_ptr, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr,
             s, e, B, bag_shift, total_D, cols, lanes, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP,
-            OUT_ALIGN, MERGED,
+            OUT_ALIGN,
         )
         tl.store(partials_ptr + c * partial_stride + cols, partial)
         # Every thread's part of the partial is stored before the one thread holding the counter

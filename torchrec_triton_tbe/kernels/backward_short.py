@@ -72,7 +72,6 @@ def _backward_short_kernel(
     TILE: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     """
     weights_ptr: flat weights (fp32/fp16/bf16), updated in place. m1/m2/m3_ptr: the optimizer's state
@@ -81,8 +80,7 @@ def _backward_short_kernel(
     step_ptr: int64[1] optimizer step (bias correction; seeds stochastic rounding).
     grad_out_ptr: [B, total_D] output gradient (the layouts of grad_gather.gather_bag_rows: OUT_MAP, VBE).
     sorted_keys_ptr / sorted_bags_ptr / sorted_psw_ptr: [N] per sorted slot: row key, bag id
-        (t << bag_shift) | b, per-sample weight (fp32, read only if WEIGHTED; MERGED: the run plan's
-        merged multiplicities, grad_gather.gather_bag_rows).
+        (t << bag_shift) | b, per-sample weight (fp32, read only if WEIGHTED).
     run_start_ptr: [N + 1] first slot of each run (N past the last run).
     bucket_run_bounds_ptr: [K + 1] runs of bucket k.
     threshold: runs at least this long belong to the long path and are skipped here.
@@ -119,7 +117,7 @@ def _backward_short_kernel(
                 n_psw = tl.load(sorted_psw_ptr + s + j + 1, mask=nxt, other=0.0).to(tl.float32)
             g, t, gmask = gather_bag_rows(
                 grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, act & (j < L), B,
-                bag_shift, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN, MERGED,
+                bag_shift, total_D, cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN,
             )
             acc += g
             bag, psw = n_bag, n_psw

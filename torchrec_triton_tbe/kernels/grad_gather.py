@@ -37,7 +37,6 @@ def sum_rows(
     BLOCK_D: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     """fp32 sum of the gradient rows of sorted slots [s, e), len(lanes) rows per step.
 
@@ -62,7 +61,7 @@ def sum_rows(
             n_psw = tl.load(sorted_psw_ptr + kn, mask=kn < e, other=0.0)
         g, t, cmask = gather_bag_rows(
             grad_out_ptr, bag, psw, offsets_ptr, feature_out_offset_ptr, feature_dim_ptr, m, B, bag_shift, total_D,
-            cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN, MERGED,
+            cols, POOLING_MEAN, WEIGHTED, EVEN_D, ALIGN, BLOCK_D, OUT_MAP, OUT_ALIGN,
         )
         acc += g
         bag, psw = n_bag, n_psw
@@ -89,17 +88,11 @@ def gather_bag_rows(
     BLOCK_D: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    MERGED: tl.constexpr,
 ):
     """(rows, t, cmask): rows [S, BLOCK_D] fp32 = scale * grad_out[bag's output row + cols] for bag ids
     (t << bag_shift) | b with mask m, scale = psw (WEIGHTED) / bag length (MEAN); t [S] the feature of
     each row; cmask [S, BLOCK_D] the live elements. The bag's output row: common.out_row_start
-    (OUT_MAP: a per-bag table, VBE); OUT_ALIGN divides every output row start.
-
-    MERGED (with WEIGHTED): psw holds the run plan's merged multiplicities (ops/transpose.py): a slot
-    whose count is 0 is folded into a later slot of the same bag and loads nothing."""
-    if MERGED:
-        m = m & (psw != 0.0)
+    (OUT_MAP: a per-bag table, VBE); OUT_ALIGN divides every output row start."""
     # Bag ids are (t << bag_shift) | b (ops/transpose.py): no integer division on the hot path.
     t = bag >> bag_shift
     b = bag & ((1 << bag_shift) - 1)

@@ -114,59 +114,25 @@ def _slot_keys(sorted_keys_ptr, i, N):
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sorted_bag(sorted_keys_ptr, perm_ptr, bags_ptr, i, m, sentinel):
-    """(key, bag) of sorted slots i (mask m): the bag of the lookup the sort put there, 0 for a lookup
-    outside every bag (its key is the sentinel): linearize never writes its bag, so reading it would
-    read uninitialised memory (compute-sanitizer initcheck; such slots sort past every bucket and are
-    never applied)."""
-    key = tl.load(sorted_keys_ptr + i, mask=m, other=0)
-    q = tl.load(perm_ptr + i, mask=m, other=0)
-    return key, tl.load(bags_ptr + q, mask=m & (key != sentinel), other=0)
-
-
-@triton.jit
 def _run_flags_kernel(
-    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, merged_ptr, program_runs_ptr, N, sentinel,
-    BLOCK: tl.constexpr, WIDE: tl.constexpr, MERGE: tl.constexpr
+    sorted_keys_ptr, perm_ptr, bags_ptr, sorted_bags_ptr, program_runs_ptr, N, sentinel,
+    BLOCK: tl.constexpr, WIDE: tl.constexpr
 ):
     """
     Grid: [cdiv(N + 1, BLOCK)]. program_runs[p] = how many runs start in slots [p * BLOCK, (p + 1) *
     BLOCK) (slot 0, or a key unlike the previous slot's); and sorted_bags[i] = bags[perm[i]], the bag
-    of the lookup the sort put in slot i (one pass for both).
-
-    MERGE (unweighted pooled batches, config backward.merge_duplicates): merged[i] = the multiplicity
-    of slot i's (row, bag) pair if i is the last slot of its stretch of equal pairs, else 0. The sort
-    is stable and a bag's lookups are contiguous in batch order, so a bag that holds a row c times puts
-    those c lookups in consecutive slots of the row's run; the backward then gathers that bag's gradient
-    row once, times c, instead of c times (a bag of 200 ids over a 64-row table holds each row ~3 times).
-    Stretches are cut at this program's block edges, so each program counts its own slots: a stretch
-    crossing an edge becomes two entries, each counted once (the sum is the same).
+    of the lookup the sort put in slot i (one pass for both); 0 for a lookup outside every bag (its key
+    is the sentinel): linearize never writes its bag, so reading it would read uninitialised memory
+    (compute-sanitizer initcheck; such slots sort past every bucket and are never applied).
     """
     p = tl.program_id(0)
     i = _block_slots(BLOCK, WIDE)
     m = i < N
     key, _, head = _slot_keys(sorted_keys_ptr, i, N)
     count = tl.sum(head.to(i.dtype), axis=0)
-    _, bag = _sorted_bag(sorted_keys_ptr, perm_ptr, bags_ptr, i, m, sentinel)
-    tl.store(sorted_bags_ptr + i, bag, mask=m)
+    q = tl.load(perm_ptr + i, mask=m, other=0)
+    tl.store(sorted_bags_ptr + i, tl.load(bags_ptr + q, mask=m & (key != sentinel), other=0), mask=m)
     tl.store(program_runs_ptr + p, count.to(program_runs_ptr.dtype.element_ty))
-    if MERGE:
-        # The neighbours' keys and bags: the same cache lines and gathered rows as the next and previous
-        # lanes' (L1 hits but at the block's two edges).
-        local = tl.arange(0, BLOCK)
-        has_prev = m & (local > 0)
-        has_next = (i + 1 < N) & (local < BLOCK - 1)
-        prev_key, prev_bag = _sorted_bag(sorted_keys_ptr, perm_ptr, bags_ptr, i - 1, has_prev, sentinel)
-        next_key, next_bag = _sorted_bag(sorted_keys_ptr, perm_ptr, bags_ptr, i + 1, has_next, sentinel)
-        first = ~has_prev | (prev_key != key) | (prev_bag != bag)
-        last = ~has_next | (next_key != key) | (next_bag != bag)
-        begin = tl.associative_scan(tl.where(first, local, 0), 0, _max_combine)
-        tl.store(merged_ptr + i, tl.where(last, local - begin + 1, 0).to(tl.float32), mask=m)
 
 
 # num_programs only indexes one load: not specialized (a recompile per batch count's divisibility).

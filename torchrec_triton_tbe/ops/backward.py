@@ -163,13 +163,8 @@ def fused_update(
     device = grad_out.device
     weighted = per_sample_weights is not None
     out_offset, grad_stride, out_map, out_align = grad_rows(spec, offsets, B, vbe)
-    merged = runs.merged is not None
-    if merged and weighted:
-        raise ValueError("fused_update: the run plan merged duplicate lookups (unweighted), but this batch has "
-                         "per-sample weights: build the runs with weighted=True")
-    # Per-sample weights in sorted order (fp32), so the kernels read them coalesced; or the merged
-    # multiplicities, which the kernels read the same way (a row's scale).
-    sorted_psw = per_sample_weights.float()[runs.perm] if weighted else runs.merged if merged else grad_out
+    # Per-sample weights in sorted order (fp32), so the kernels read them coalesced.
+    sorted_psw = per_sample_weights.float()[runs.perm] if weighted else grad_out
     partial_stride = max(b.block_d for b in plan.buckets)
     # Workspace rows are bounded by N / chunk + N / threshold + 1; allocated per batch (the caching
     # allocator makes this free in steady state) and never read past the live chunks.
@@ -206,7 +201,7 @@ def fused_update(
         )
         # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
         chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
-        modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted or merged, TILE=tile)
+        modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
         _launch_persistent(
             _backward_short_kernel,
             bcfg,
@@ -227,7 +222,7 @@ def fused_update(
                 grad_stride,
                 runs.threshold,
             ),
-            dict(**modes, **update, **common, **gathers, MERGED=merged),
+            dict(**modes, **update, **common, **gathers),
             warps,
         )
         if fused_long:
@@ -253,7 +248,7 @@ def fused_update(
                     runs.chunk,
                     partial_stride,
                 ),
-                dict(**modes, **update, **common, **gathers, MERGED=merged),
+                dict(**modes, **update, **common, **gathers),
                 warps,
             )
             continue
@@ -277,7 +272,7 @@ def fused_update(
                 runs.chunk,
                 partial_stride,
             ),
-            dict(**modes, **common, **gathers, MERGED=merged),
+            dict(**modes, **common, **gathers),
             warps,
         )
         _launch_persistent(
@@ -319,7 +314,7 @@ def backward_step(
     built them), one optimizer step per touched row, the step counter. Device work only (no host
     sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
     if runs is None:
-        runs = build_runs(spec, indices, offsets, B, weighted=per_sample_weights is not None)
+        runs = build_runs(spec, indices, offsets, B)
     fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe, indices)
     state.step.add_(1)
     return runs

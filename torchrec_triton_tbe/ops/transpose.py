@@ -8,7 +8,6 @@ the data (runs per bucket, chunks per bucket) stays on the device, read by the k
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -42,9 +41,6 @@ class RunPlan:
     run_chunk_begin: torch.Tensor  # [N + 1] first chunk of each run (exclusive prefix sum)
     chunk_run: torch.Tensor  # [max_chunks] run of each live chunk (slots from run_chunk_begin[N] on: unset)
     bucket_chunk_bounds: torch.Tensor  # [K + 1] bucket k owns chunks [b[k], b[k+1])
-    # [N] fp32 (merges_duplicates): a slot's (row, bag) multiplicity on the last slot of each stretch of
-    # equal pairs, 0 on the others; the backward scales each gathered row by it. None: one row per slot.
-    merged: Optional[torch.Tensor] = None
 
     def stats(self) -> dict:
         """Run counts for tests and demos. Syncs (reads device counts): never called on the hot path."""
@@ -58,8 +54,6 @@ class RunPlan:
             "long_runs": int((runs & long).sum()),
             "long_chunks": int(self.run_chunk_begin[-1]),
             "max_run": int(lens.max()) if self.num_lookups else 0,
-            # Gradient rows the backward gathers (merged: one per stretch of a bag's equal lookups).
-            "row_gathers": self.num_lookups if self.merged is None else int((self.merged != 0).sum()),
         }
 
 
@@ -111,16 +105,7 @@ def linearize_tile(bags_per_program: int, lookups_per_step: int, num_lookups: in
     return bags_per_program * (lookups_per_step // step), step
 
 
-def merges_duplicates(spec: TBESpec, weighted: bool) -> bool:
-    """Whether a batch's run plan carries merged multiplicities (config backward.merge_duplicates):
-    pooled and unweighted only. A sequence lookup is its own output row, so no two slots share one; a
-    weighted stretch would need its weights summed, and skipping a row whose weights sum to 0 would
-    hide an inf or NaN in its gradient that FBGEMM propagates."""
-    return spec.config.backward.merge_duplicates and not spec.nobag and not weighted
-
-
-def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int, weighted: bool = False) -> RunPlan:
-    """The run plan of one batch; ``weighted``: the batch has per-sample weights (merges_duplicates)."""
+def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
     N = indices.numel()
     device = indices.device
     bcfg, tcfg = spec.config.backward, spec.config.transpose
@@ -138,8 +123,6 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     # Small batches are launch-bound (the host issues ops slower than the GPU runs them): the tables
     # below take seven Triton launches with nothing but allocations between them.
     sorted_bags = torch.empty_like(bags)
-    merge = merges_duplicates(spec, weighted)
-    merged = torch.empty(N, dtype=torch.float32, device=device) if merge else None
     run_start = torch.empty(N + 1, dtype=idt, device=device)
     bucket_run_bounds = torch.empty(num_bounds, dtype=idt, device=device)
     run_chunk_begin = torch.empty(N + 1, dtype=idt, device=device)
@@ -155,14 +138,8 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     block_k = next_pow2(num_bounds)
     grid = (programs,)
     blocks = dict(BLOCK=run_block, WIDE=wide_slots(N, run_block))  # implied by int64 tables (N >= 2**31 - 2)
-    launch(
-        _run_flags_kernel,
-        grid,
-        (sorted_keys, perm, bags, sorted_bags, sorted_bags if merged is None else merged, run_totals, N,
-         spec.plan.sentinel_key),
-        dict(**blocks, MERGE=merge),
-        4,
-    )
+    launch(_run_flags_kernel, grid, (sorted_keys, perm, bags, sorted_bags, run_totals, N, spec.plan.sentinel_key),
+           blocks, 4)
     launch(_scan_totals_kernel, (1,), (run_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _run_starts_kernel,
@@ -202,5 +179,4 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         run_chunk_begin=run_chunk_begin,
         chunk_run=chunk_run,
         bucket_chunk_bounds=bucket_chunk_bounds,
-        merged=merged,
     )
