@@ -117,17 +117,7 @@ class TransposeConfig:
     run_block: int = 1024
     scan_block: int = 1024
     scan_warps: int = 4
-    # The sort by key (ops/radix_sort.py SORTS): "radix" (ours: key-width passes, int32 permutation) or
-    # "torch" (torch.sort); same keys and permutation. The radix sort's bits per pass, keys per
-    # program (a power of two) and warps.
-    sort: str = "torch"
-    sort_radix_bits: int = 8
-    sort_block: int = 2048
-    sort_warps: int = 4
 
-
-# Sorts of the run plan, identical in results (ops/radix_sort.py).
-SORTS = ("radix", "torch")
 
 # Schedules of the long-run (split-K) backward, identical in results (kernels/backward_long.py).
 LONG_PATHS = ("split", "fused")
@@ -288,10 +278,6 @@ class KernelConfig:
                 run_block=int(tr.get("run_block", 1024)),
                 scan_block=int(tr.get("scan_block", 1024)),
                 scan_warps=int(tr.get("scan_warps", 4)),
-                sort=str(tr.get("sort", "torch")),
-                sort_radix_bits=int(tr.get("sort_radix_bits", 8)),
-                sort_block=int(tr.get("sort_block", 2048)),
-                sort_warps=int(tr.get("sort_warps", 4)),
             ),
             backward=BackwardConfig(
                 short_threshold=int(b["short_threshold"]),
@@ -343,8 +329,6 @@ class KernelConfig:
             ("transpose.run_block", self.transpose.run_block),
             ("transpose.scan_block", self.transpose.scan_block),
             ("transpose.scan_warps", self.transpose.scan_warps),
-            ("transpose.sort_block", self.transpose.sort_block),
-            ("transpose.sort_warps", self.transpose.sort_warps),
         ]:
             if not pow2(v):
                 problems.append(f"{name} must be a power of two, got {v}")
@@ -373,14 +357,6 @@ class KernelConfig:
             problems.append("small_table.max_dim and small_table.groups must be >= 1")
         if not (pow2(st.bags) and st.bags >= 16) or not pow2(st.num_warps):
             problems.append("small_table.bags must be a power of two >= 16 and small_table.num_warps a power of two")
-        if self.transpose.sort not in SORTS:
-            problems.append(f"transpose.sort must be one of {SORTS}, got {self.transpose.sort!r}")
-        if not 1 <= self.transpose.sort_radix_bits <= 12 or (
-            self.transpose.sort_radix_bits + self.transpose.sort_block.bit_length() > 31
-        ):
-            # The scatter packs (digit << log2(block)) | position, digits up to 2**radix_bits, into int32.
-            problems.append(f"transpose.sort_radix_bits must be in [1, 12] with radix_bits + log2(sort_block) <= 30, "
-                            f"got {self.transpose.sort_radix_bits} and {self.transpose.sort_block}")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

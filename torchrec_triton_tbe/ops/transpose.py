@@ -21,7 +21,6 @@ from torchrec_triton_tbe.kernels.transpose import (
     _scan_totals_kernel,
 )
 from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, next_pow2
-from torchrec_triton_tbe.ops.radix_sort import RadixSortPlan, radix_applies, sort_keys
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
@@ -31,7 +30,7 @@ class RunPlan:
 
     num_lookups: int  # N
     sorted_keys: torch.Tensor  # [N] key_dtype
-    perm: torch.Tensor  # [N] int32 (radix sort) or int64 (torch.sort): original lookup position of each sorted slot
+    perm: torch.Tensor  # [N] int64: original lookup position of each sorted slot
     sorted_bags: torch.Tensor  # [N] int32/int64: (t << bag_shift) | b of each sorted slot
     bag_shift: int  # bits of b in a bag id: B <= 2**bag_shift
     run_start: torch.Tensor  # [N + 1] int32/int64: first slot of run r; N for r >= num_runs
@@ -106,26 +105,13 @@ def linearize_tile(bags_per_program: int, lookups_per_step: int, num_lookups: in
     return bags_per_program * (lookups_per_step // step), step
 
 
-def sort_by_key(spec: TBESpec, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted keys, permutation), stable: equal keys keep batch order, so each run is reduced in the
-    same order every time. transpose.sort "radix" sorts the keys' bit_length(sentinel) bits with an
-    int32 permutation (ops/radix_sort.py) where its rule admits the keys, int64 keys take torch.sort."""
-    cfg = spec.config.transpose
-    if cfg.sort == "radix" and radix_applies(keys):
-        plan = RadixSortPlan(
-            key_bits=spec.plan.sentinel_key.bit_length(), radix_bits=cfg.sort_radix_bits, block=cfg.sort_block,
-            num_warps=cfg.sort_warps,
-        )
-        return sort_keys(keys, plan)
-    return torch.sort(keys, stable=True)
-
-
 def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
     N = indices.numel()
     device = indices.device
     bcfg, tcfg = spec.config.backward, spec.config.transpose
     keys, bags, bag_shift = linearize(spec, indices, offsets, B)
-    sorted_keys, perm = sort_by_key(spec, keys)
+    # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
+    sorted_keys, perm = torch.sort(keys, stable=True)
     idt = _index_dtype(N + 1)
     threshold, chunk = bcfg.short_threshold, bcfg.long_chunk
     # Each long run has >= threshold lookups and cdiv(L, chunk) <= L / chunk + 1 chunks.
