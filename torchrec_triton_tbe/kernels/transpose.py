@@ -11,7 +11,9 @@ Byte accounting per lookup: linearize reads the id (4/8 B) and writes a key (4/8
 gather the bag id (a 32 B sector for 4 B: the one random access), writing 4 B; run starts read the
 key again and write 4 B per run (N past the last run); run chunks read two run starts (one from
 cache); chunk offsets read the two run starts again and write 4 B per run plus 4 B per long-run
-chunk. Every table is sized by N; no kernel here needs a count that only the device knows.
+chunk. The chunk passes stop at the run count, read from the scanned totals: past it they read and
+write nothing (a batch whose rows repeat has far fewer runs than lookups). Every table is sized by N;
+no launch needs a count that only the device knows.
 """
 
 import triton
@@ -186,34 +188,40 @@ def _run_starts_kernel(
 
 
 @triton.jit
-def _run_chunk_count(run_start_ptr, r, N, threshold, chunk):
-    """Split-K chunks of runs r (< N): cdiv(L, chunk) when the length L reaches the threshold, else 0
-    (runs past the last have L = 0)."""
-    m = r < N
+def _run_chunk_count(run_start_ptr, r, num_runs, threshold, chunk):
+    """Split-K chunks of runs r: cdiv(L, chunk) when the length L reaches the threshold, else 0 (and 0
+    past the last run, whose starts are not read: a batch whose rows repeat has far fewer runs than
+    its N lookups, and the chunk passes would otherwise read N + 1 starts twice)."""
+    m = r < num_runs
     L = (tl.load(run_start_ptr + r + 1, mask=m, other=0) - tl.load(run_start_ptr + r, mask=m, other=0)).to(r.dtype)
     return tl.where(m & (L >= threshold), (L + (chunk - 1)) // chunk, 0)
 
 
-@triton.jit
+# num_programs only indexes one load: not specialized (a recompile per batch count's divisibility).
+@triton.jit(do_not_specialize=["num_programs"])
 def _run_chunks_kernel(
-    run_start_ptr, program_chunks_ptr, N, threshold, chunk, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    run_start_ptr, run_prefix_ptr, program_chunks_ptr, num_programs, threshold, chunk, BLOCK: tl.constexpr,
+    WIDE: tl.constexpr
 ):
     """Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK):
-    program_chunks[p] = the split-K chunks of its runs (_run_chunk_count)."""
+    program_chunks[p] = the split-K chunks of its runs (_run_chunk_count); run_prefix[num_programs] is
+    the run count (_run_starts_kernel's scanned totals)."""
     p = tl.program_id(0)
     r = _block_slots(BLOCK, WIDE)
-    count = tl.sum(_run_chunk_count(run_start_ptr, r, N, threshold, chunk), axis=0)
+    num_runs = tl.load(run_prefix_ptr + num_programs).to(r.dtype)
+    count = tl.sum(_run_chunk_count(run_start_ptr, r, num_runs, threshold, chunk), axis=0)
     tl.store(program_chunks_ptr + p, count.to(program_chunks_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_programs"])
 def _chunk_offsets_kernel(
     run_start_ptr,
+    run_prefix_ptr,
     chunk_prefix_ptr,
     bucket_run_bounds_ptr,
     run_chunk_begin_ptr,
     bucket_chunk_bounds_ptr,
-    N,
+    num_programs,
     threshold,
     chunk,
     num_bounds,
@@ -222,16 +230,18 @@ def _chunk_offsets_kernel(
     WIDE: tl.constexpr,
 ):
     """
-    Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK) (r <= N).
+    Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK), written for r <= the run
+    count R (run_prefix[num_programs]); entries past R are left unwritten and never read.
     chunk_prefix[p]: the chunks of the runs before this program's (scanned program totals).
-    run_chunk_begin[r] = the chunks of all runs before r (exclusive prefix sum; entry N = all chunks);
+    run_chunk_begin[r] = the chunks of all runs before r (exclusive prefix sum; entry R = all chunks);
     bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]], written by the program holding
     that run. Each chunk's run (chunk_run) is _chunk_runs_kernel's, which reads run_chunk_begin.
     """
     p = tl.program_id(0)
     r = _block_slots(BLOCK, WIDE)
-    in_range = r <= N
-    c = _run_chunk_count(run_start_ptr, r, N, threshold, chunk)
+    num_runs = tl.load(run_prefix_ptr + num_programs).to(r.dtype)
+    in_range = r <= num_runs
+    c = _run_chunk_count(run_start_ptr, r, num_runs, threshold, chunk)
     first = tl.load(chunk_prefix_ptr + p).to(r.dtype) + tl.cumsum(c, axis=0) - c
     tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
     kk = tl.arange(0, BLOCK_K)
@@ -245,24 +255,28 @@ def _chunk_offsets_kernel(
     )
 
 
-# N and steps index and bound a binary search: not specialized (a recompile per batch count's divisibility).
-@triton.jit(do_not_specialize=["N", "steps"])
-def _chunk_runs_kernel(run_chunk_begin_ptr, chunk_run_ptr, N, steps, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+# num_programs and steps index and bound a binary search: not specialized (a recompile per batch
+# count's divisibility).
+@triton.jit(do_not_specialize=["num_programs", "steps"])
+def _chunk_runs_kernel(
+    run_chunk_begin_ptr, run_prefix_ptr, chunk_run_ptr, num_programs, steps, BLOCK: tl.constexpr, WIDE: tl.constexpr
+):
     """Grid: [cdiv(max_chunks, BLOCK)], over chunks q in [p * BLOCK, (p + 1) * BLOCK):
     chunk_run[q] = the run r owning chunk q, the largest r with run_chunk_begin[r] <= q (runs without
     chunks share their successor's begin, so the largest is the one with chunks), for q below the
-    chunk total run_chunk_begin[N]; slots past it are not written (the long-path kernels stop at
-    bucket_chunk_bounds[K]). A binary search over the N + 1 begins, ``steps`` = bit_length(N + 1)
-    halvings. Why not a store loop per run: a program then took as many steps as its longest run has
+    chunk total run_chunk_begin[R] (R = run_prefix[num_programs], the run count); slots past it are
+    not written (the long-path kernels stop at bucket_chunk_bounds[K]). A binary search over the R + 1
+    begins, at most ``steps`` = bit_length(N + 1) halvings. Why not a store loop per run: a program then took as many steps as its longest run has
     chunks (a hot row of a small table read by long bags has hundreds), and the pass took 0.248 ms at
     7.6 M lookups in the production-shaped TorchRec step on the H200; this kernel and the loop-free
     _chunk_offsets_kernel take 0.030 + 0.028 ms there, every chunk costing the same ~23 dependent
     loads from L2 (docs/performance.md "End to end, production-shaped")."""
     q = _block_slots(BLOCK, WIDE)
-    total = tl.load(run_chunk_begin_ptr + N)
+    num_runs = tl.load(run_prefix_ptr + num_programs).to(q.dtype)
+    total = tl.load(run_chunk_begin_ptr + num_runs)
     live = q < total
     lo = tl.zeros_like(q)
-    hi = tl.zeros_like(q) + N
+    hi = tl.zeros_like(q) + num_runs
     for _ in range(0, steps):
         active = live & (lo < hi)
         mid = lo + (hi - lo + 1) // 2  # never lo + hi: N may be near 2**31 in int32 slots

@@ -38,8 +38,10 @@ class RunPlan:
     threshold: int
     chunk: int
     max_chunks: int  # upper bound of long-run chunks (workspace rows)
-    run_chunk_begin: torch.Tensor  # [N + 1] first chunk of each run (exclusive prefix sum)
-    chunk_run: torch.Tensor  # [max_chunks] run of each live chunk (slots from run_chunk_begin[N] on: unset)
+    # [N + 1] first chunk of each run (exclusive prefix sum), written up to the run count R (entry R =
+    # all chunks); entries past R are unset.
+    run_chunk_begin: torch.Tensor
+    chunk_run: torch.Tensor  # [max_chunks] run of each live chunk (slots from run_chunk_begin[R] on: unset)
     bucket_chunk_bounds: torch.Tensor  # [K + 1] bucket k owns chunks [b[k], b[k+1])
 
     def stats(self) -> dict:
@@ -52,7 +54,7 @@ class RunPlan:
             "runs": int(runs.sum()),
             "short_runs": int((runs & ~long).sum()),
             "long_runs": int((runs & long).sum()),
-            "long_chunks": int(self.run_chunk_begin[-1]),
+            "long_chunks": int(self.run_chunk_begin[int(runs.sum())]),
             "max_run": int(lens.max()) if self.num_lookups else 0,
         }
 
@@ -148,20 +150,20 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
         dict(**blocks, BLOCK_K=block_k),
         4,
     )
-    launch(_run_chunks_kernel, grid, (run_start, chunk_totals, N, threshold, chunk), blocks, 4)
+    launch(_run_chunks_kernel, grid, (run_start, run_totals, chunk_totals, programs, threshold, chunk), blocks, 4)
     launch(_scan_totals_kernel, (1,), (chunk_totals, programs), dict(BLOCK=tcfg.scan_block), tcfg.scan_warps)
     launch(
         _chunk_offsets_kernel,
         grid,
-        (run_start, chunk_totals, bucket_run_bounds, run_chunk_begin, bucket_chunk_bounds,
-         N, threshold, chunk, num_bounds),
+        (run_start, run_totals, chunk_totals, bucket_run_bounds, run_chunk_begin, bucket_chunk_bounds,
+         programs, threshold, chunk, num_bounds),
         dict(**blocks, BLOCK_K=block_k),
         4,
     )
     launch(
         _chunk_runs_kernel,
         (cdiv(max_chunks, run_block),),
-        (run_chunk_begin, chunk_run, N, (N + 1).bit_length()),
+        (run_chunk_begin, run_totals, chunk_run, programs, (N + 1).bit_length()),
         dict(BLOCK=run_block, WIDE=wide_slots(max_chunks, run_block) or blocks["WIDE"]),
         4,
     )
