@@ -34,7 +34,8 @@
 #   grouped     the pooled forward in one launch for every D bucket vs one launch per bucket, per slice
 #               width (tools/forward_grouped.py), FBGEMM beside it; writes /tmp/sm90_grouped.yaml with the
 #               best width and the batch up to which it won, for TORCHREC_TRITON_TBE_CONFIG in later steps
-#   variants    configs/sm90.yaml and VARIANTS of it ("name=section.key:value,section.key:value ..."), each
+#   variants    configs/sm90.yaml and VARIANTS of it ("name=section.key:value,section.key:value ...",
+#               tools/config_variants.py), each
 #               on VARIANT_SHAPES (VARIANT_PASSES, VARIANT_OPTIMIZERS) with --check against FBGEMM, after
 #               VARIANT_TESTS (tests/gpu files) under the first variant's config
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
@@ -164,21 +165,12 @@ PY
     reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;
     variants)
-      VARIANTS="${VARIANTS:-merge=backward.merge_duplicates:true}" python - <<'PY'
-import os, yaml
-for v in os.environ["VARIANTS"].split():
-    name, knobs = v.split("=")
-    cfg = yaml.safe_load(open("configs/sm90.yaml"))
-    for kv in knobs.split(","):
-        path, val = kv.split(":")
-        section, key = path.split(".")
-        cfg.setdefault(section, {})[key] = yaml.safe_load(val)
-    yaml.safe_dump(cfg, open(f"/tmp/sm90_var_{name}.yaml", "w"))
-PY
-      first=/tmp/sm90_var_$(v=${VARIANTS:-merge=}; v=${v%% *}; echo ${v%%=*}).yaml
+      [ -n "$VARIANTS" ] || { echo "variants: set VARIANTS (name=section.key:value,...)"; continue; }
+      files=$(python tools/config_variants.py --prefix /tmp/sm90_var_ $VARIANTS) || continue
+      first=${files%%$'\n'*}
       [ -n "$VARIANT_TESTS" ] && TORCHREC_TRITON_TBE_CONFIG=$first timeout ${VARIANT_TESTS_TIMEOUT:-200} \
         python -m pytest -q -p no:cacheprovider $VARIANT_TESTS 2>&1 | tee "$OUT/tests_variant.txt" | tail -4
-      for cfg in configs/sm90.yaml $(for v in ${VARIANTS:-merge}; do echo /tmp/sm90_var_${v%%=*}.yaml; done); do
+      for cfg in configs/sm90.yaml $files; do
         tag=$(basename $cfg .yaml); echo "-- $tag"
         timeout ${VARIANT_TIMEOUT:-200} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
           --iters "${ITERS:-20}" --passes "${VARIANT_PASSES:-bwd}" --optimizer "${VARIANT_OPTIMIZERS:-exact_rowwise_adagrad}" \
@@ -202,19 +194,9 @@ PY
       # SMALL_VARIANTS entry (name=key:value,key:value over configs/sm90.yaml's small_table; default: 64
       # rows with the shipped knobs), on the shapes with such tables, --check against FBGEMM
       # first (issue 14: keep it only where it wins).
-      SMALL_VARIANTS="${SMALL_VARIANTS:-on=max_rows:64}" python - <<'PY'
-import os, yaml
-for v in os.environ["SMALL_VARIANTS"].split():
-    name, knobs = v.split("=")
-    cfg = yaml.safe_load(open("configs/sm90.yaml"))
-    st = dict(cfg.get("small_table") or {})
-    for kv in knobs.split(","):
-        k, val = kv.split(":")
-        st[k] = yaml.safe_load(val)
-    cfg["small_table"] = st
-    yaml.safe_dump(cfg, open(f"/tmp/sm90_small_{name}.yaml", "w"))
-PY
-      for cfg in configs/sm90.yaml $(for v in ${SMALL_VARIANTS:-on}; do echo /tmp/sm90_small_${v%%=*}.yaml; done); do
+      files=$(python tools/config_variants.py --prefix /tmp/sm90_small_ $(for v in ${SMALL_VARIANTS:-on=max_rows:64}; do
+        k=${v#*=}; echo "${v%%=*}=small_table.${k//,/,small_table.}"; done)) || continue
+      for cfg in configs/sm90.yaml $files; do
         tag=$(basename $cfg .yaml); echo "-- $tag"
         timeout ${SMALL_TIMEOUT:-270} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
           --iters 20 --passes fwd,bwd --optimizer "${SMALL_OPTIMIZERS:-exact_sgd,exact_rowwise_adagrad}" \
