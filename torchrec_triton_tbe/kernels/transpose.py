@@ -266,11 +266,12 @@ def _chunk_runs_kernel(
     chunks share their successor's begin, so the largest is the one with chunks), for q below the
     chunk total run_chunk_begin[R] (R = run_prefix[num_programs], the run count); slots past it are
     not written (the long-path kernels stop at bucket_chunk_bounds[K]). A binary search over the R + 1
-    begins, at most ``steps`` = bit_length(N + 1) halvings. Why not a store loop per run: a program then took as many steps as its longest run has
-    chunks (a hot row of a small table read by long bags has hundreds), and the pass took 0.248 ms at
-    7.6 M lookups in the production-shaped TorchRec step on the H200; this kernel and the loop-free
-    _chunk_offsets_kernel take 0.030 + 0.028 ms there, every chunk costing the same ~23 dependent
-    loads from L2 (docs/performance.md "End to end, production-shaped")."""
+    begins, at most ``steps`` = bit_length(N + 1) halvings. Why not a store loop per run: a program
+    then took as many steps as its longest run has chunks (a hot row of a small table read by long
+    bags has hundreds), and the pass took 0.248 ms at 7.6 M lookups in the production-shaped TorchRec
+    step on the H200; this kernel and the loop-free _chunk_offsets_kernel take 0.030 + 0.028 ms there,
+    every chunk costing the same ~23 dependent loads from L2 (docs/performance.md "End to end,
+    production-shaped")."""
     q = _block_slots(BLOCK, WIDE)
     num_runs = tl.load(run_prefix_ptr + num_programs).to(q.dtype)
     total = tl.load(run_chunk_begin_ptr + num_runs)
