@@ -49,12 +49,13 @@ class RunPlan:
         lens = (self.run_start[1:] - self.run_start[:-1]).to(torch.int64)
         runs = lens > 0
         long = lens >= self.threshold
+        num_runs = int(runs.sum())
         return {
             "lookups": self.num_lookups,
-            "runs": int(runs.sum()),
+            "runs": num_runs,
             "short_runs": int((runs & ~long).sum()),
             "long_runs": int((runs & long).sum()),
-            "long_chunks": int(self.run_chunk_begin[int(runs.sum())]),
+            "long_chunks": int(self.run_chunk_begin[num_runs]),  # entry R: every chunk (unset past R)
             "max_run": int(lens.max()) if self.num_lookups else 0,
         }
 
