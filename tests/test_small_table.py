@@ -142,6 +142,29 @@ def test_calls_the_path_cannot_take_run_the_generic_kernels(monkeypatch):
     out.backward(torch.randn(out.shape, generator=g))
 
 
+def test_each_pass_takes_the_path_on_its_own(monkeypatch):
+    # small_table.forward: 0 (the shipped choice): the forward runs the small buckets through the generic
+    # kernels, the backward still through the small-table kernels, and training is the generic one's.
+    ran = []
+    real = small_ops.backward
+    monkeypatch.setattr(small_ops, "forward", _refuse_small)
+    monkeypatch.setattr(small_ops, "backward", lambda *a, **k: (ran.append(a[1]), real(*a, **k)))
+    bwd_only = SMALL.replace_small_table(forward=0)
+    for weighted in (False, True):
+        ran.clear()
+        small = _train(bwd_only, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, weighted)
+        generic = _train(BASE, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, weighted)
+        assert sorted(set(ran)) == [k for k, b in enumerate(small.spec.plan.buckets) if b.small and b.features]
+        for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
+            assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
+    # ... and backward: 0 leaves the backward to the generic kernels too.
+    monkeypatch.setattr(small_ops, "backward", _refuse_small)
+    neither = _train(SMALL.replace_small_table(forward=0, backward=0), EmbOptimType.EXACT_SGD, PoolingMode.SUM, False)
+    generic = _train(BASE, EmbOptimType.EXACT_SGD, PoolingMode.SUM, False)
+    for a, b in zip(neither.split_embedding_weights(), generic.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+
 def test_switching_the_path_on_mid_training_keeps_training():
     generic = _train(BASE, EmbOptimType.ADAM, PoolingMode.SUM, False, steps=2)
     switched, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=BASE, optimizer=EmbOptimType.ADAM,

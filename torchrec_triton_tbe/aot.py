@@ -256,7 +256,7 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                 out.backward(torch.ones_like(out))
             # The small-table path (config small_table), switched on: the layout's tables at 7 rows (E_PAD
             # 16) and the widest reach (64 rows), every precision, pooling, per-sample weights, optimizer.
-            small = [b.replace_small_table(max_rows=64) for b in long_paths]
+            small = [b.replace_small_table(max_rows=64, forward=1, backward=1) for b in long_paths]
             small_layout = [(7 if k % 2 else 64, d) for k, (_, d) in enumerate(layout)]
             variants = [(o, {}) for o in optims] + optimizer_variants()
             for v, (wp, pm, weighted) in enumerate(itertools.product(dtypes, [PoolingMode.SUM, PoolingMode.MEAN],

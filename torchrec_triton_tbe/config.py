@@ -164,12 +164,19 @@ class SmallTableConfig:
     at most ``max_dim`` columns, each read by exactly one feature, pool through a per-bag histogram
     multiplied with the table, and their backward sums the gradient per row the same way (no sort
     runs, no per-lookup gradient gathers). Fixed-batch pooled forwards only; variable batches (VBE),
-    the fused bounds check and sequence tables keep the generic path for every table."""
+    the fused bounds check and sequence tables keep the generic path for every table. ``forward`` /
+    ``backward`` (1 or 0): which passes take the path; the other runs those tables' buckets through the
+    generic kernels."""
 
     max_rows: int = 0
     max_dim: int = 128
     bags: int = 16  # bags per histogram (the dot's M / K): a power of two >= 16
-    groups: int = 8  # histograms per program (the table is loaded once per program)
+    groups: int = 8  # histograms per forward program (the table is loaded once per program)
+    backward_groups: int = 8  # histograms per backward partials program (one partial tile each)
+    positions: int = 128  # lookups per one-hot step of an unweighted histogram: a power of two >= 16
+    apply_chunks: int = 32  # partial tiles summed per step of the apply: a power of two
+    forward: int = 1
+    backward: int = 1
     num_warps: int = 4
 
 
@@ -353,10 +360,20 @@ class KernelConfig:
         st = self.small_table
         if not 0 <= st.max_rows <= 128:
             problems.append(f"small_table.max_rows must be in [0, 128] (0: no small tables), got {st.max_rows}")
-        if st.max_dim < 1 or st.groups < 1:
-            problems.append("small_table.max_dim and small_table.groups must be >= 1")
+        if st.max_dim < 1 or st.groups < 1 or st.backward_groups < 1:
+            problems.append("small_table.max_dim, small_table.groups and small_table.backward_groups must be >= 1")
         if not (pow2(st.bags) and st.bags >= 16) or not pow2(st.num_warps):
             problems.append("small_table.bags must be a power of two >= 16 and small_table.num_warps a power of two")
+        if st.num_warps > 4:
+            # 8 warps with backward_groups > 1 updated ~100-180 weights wrongly on the H200 (Triton 3.6,
+            # prod_small_b16k, 2026-12-02; 4 warps, or 8 with one group, matched FBGEMM): not understood.
+            problems.append(f"small_table.num_warps must be at most 4, got {st.num_warps}")
+        if not (pow2(st.positions) and st.positions >= 16) or not pow2(st.apply_chunks):
+            problems.append("small_table.positions must be a power of two >= 16 and small_table.apply_chunks a "
+                            "power of two")
+        if st.forward not in (0, 1) or st.backward not in (0, 1):
+            problems.append(f"small_table.forward and small_table.backward must be 0 or 1, got {st.forward}, "
+                            f"{st.backward}")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
         if problems:

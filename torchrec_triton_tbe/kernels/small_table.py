@@ -7,18 +7,23 @@ counts each bag's ids per row, H[b, e], and then works per bag:
     forward   out[b, :]  = H[b, :] @ W            (W, the whole table, loaded once per program)
     backward  grad[e, :] = sum_b H[b, e] * dout[b, :]   (split over bag chunks, partials reduced in
                                                          chunk order, then one optimizer step per row)
-H carries the per-sample weights (WEIGHTED) and MEAN's 1 / L, so it is fp32, and so are the products
-(``input_precision="ieee"``: no TF32 rounding); a count may exceed what fp16 holds exactly.
+How H is counted: unweighted, a group's lookups are one contiguous stretch of the ids, taken
+POSITIONS at a time as H += member^T @ onehot (0 / 1 fp16 operands, fp32 accumulator: exact counts, on
+tensor cores); weighted, one id per bag per step, the weights summed in fp32 (a weight is no exact
+fp16 operand). H then carries MEAN's 1 / L, so the products with the table or the gradient are fp32
+(``input_precision="ieee"``: no TF32 rounding).
 
 Byte accounting per program of BAGS * GROUPS bags, D wide, E rows:
     forward:  read E*D*w (the table) + the bags' ids (4-8 B each) [+ 4 B psw] + 2 offsets per bag;
               write BAGS * GROUPS * D * o (the outputs).
     backward: read the same ids [+ psw] and offsets + BAGS * GROUPS * D * 4 (one gradient row per bag,
-              not per lookup); write E * D * 4 + E * 4 (the chunk's partials and counts). The apply
-              reads n_chunks partials per table and one row of weights and state per touched row.
-Compute: BAGS * E_PAD * D multiply-adds per bag group, in registers; no atomics anywhere, the sums of
-a row are taken in a fixed order (bag order within a group, groups in order, chunks in order), so
-the results are deterministic; they differ from the generic path's only by fp32 summation order.
+              not per lookup); write E_PAD * D * 4 + E_PAD * 4 (the chunk's partials and counts). The
+              apply reads n_chunks partial rows per table row and one row of weights and state per
+              touched row.
+Compute per lookup (unweighted): BAGS + E_PAD compares and a [BAGS, E_PAD] slice of a tensor-core dot;
+per bag group BAGS * E_PAD * D fp32 multiply-adds. No atomics anywhere, the sums of a row are taken in
+a fixed order (bag order within a group, groups in order, chunks in a fixed tree), so the results are
+deterministic; they differ from the generic path's only by fp32 summation order.
 """
 
 import triton
@@ -37,31 +42,74 @@ def _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD: tl.constexpr, BLOCK
 @triton.jit
 def _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
                POOLING_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, COUNTS: tl.constexpr,
-               BAGS: tl.constexpr, E_PAD: tl.constexpr):
-    """Bags b0 .. b0 + BAGS of feature t: (H [BAGS, E_PAD] fp32, per-row lookup counts [E_PAD] int32
-    (COUNTS; zeros otherwise), the bags' mask [BAGS]). Ids outside [0, E_PAD) match no row."""
+               BAGS: tl.constexpr, E_PAD: tl.constexpr, POSITIONS: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """Bags b0 .. b0 + BAGS of feature t: (H [BAGS, E_PAD] fp32, or H^T [E_PAD, BAGS] with ROWS_FIRST
+    (the backward's operand), per-row lookup counts [E_PAD] int32 (COUNTS; zeros otherwise), the bags'
+    mask [BAGS]). Ids outside [0, E_PAD) match no row."""
     b = b0 + tl.arange(0, BAGS)
     bm = b < B
-    bag = t.to(tl.int64) * B + b
-    start = tl.load(offsets_ptr + bag, mask=bm, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1, mask=bm, other=0).to(tl.int64)
-    L = tl.where(bm, end - start, 0)
-    steps = tl.max(L, axis=0)
-    h = tl.zeros([BAGS, E_PAD], dtype=tl.float32)
+    base = t.to(tl.int64) * B
+    start = tl.load(offsets_ptr + base + b, mask=bm, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + base + b + 1, mask=bm, other=0).to(tl.int64)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for j in range(0, steps):
-        m = j < L
-        ids = tl.load(indices_ptr + start + j, mask=m, other=-1).to(tl.int32)
-        hit = (ids[:, None] == rows[None, :]) & m[:, None]
-        if WEIGHTED:
+    if WEIGHTED:
+        # A weight is no 0/1 operand: one id per bag per step, summed in fp32 in registers.
+        L = tl.where(bm, end - start, 0)
+        h = tl.zeros([BAGS, E_PAD], dtype=tl.float32)
+        for j in range(0, tl.max(L, axis=0)):
+            m = j < L
+            ids = tl.load(indices_ptr + start + j, mask=m, other=-1)
+            ids = tl.where((ids >= 0) & (ids < E_PAD), ids, -1).to(tl.int32)
+            hit = (ids[:, None] == rows[None, :]) & m[:, None]
             w = tl.load(psw_ptr + start + j, mask=m, other=0.0).to(tl.float32)
             h += tl.where(hit, w[:, None], 0.0)
+            if COUNTS:
+                counts += tl.sum(hit.to(tl.int32), axis=0)
+        if POOLING_MEAN:
+            h = h / tl.maximum(L, 1).to(tl.float32)[:, None]
+        if ROWS_FIRST:
+            h = tl.trans(h)
+    else:
+        # The group's lookups are one contiguous stretch [s0, s1) of the ids. Per step, POSITIONS of
+        # them: H += member^T @ onehot, member [P, BAGS] (which bag holds position p) and onehot
+        # [P, E_PAD] (which row id p is), both 0 / 1, so fp16 operands and the fp32 accumulator give
+        # exact counts (at most POSITIONS per step) on tensor cores. Each operand is built in the
+        # orientation the dot takes (no transpose in the loop). The next step's ids are loaded before
+        # this step's dot: the loop's one global load no longer waits on its own latency.
+        s0 = tl.load(offsets_ptr + base + tl.minimum(b0, B)).to(tl.int64)
+        n = (tl.load(offsets_ptr + base + tl.minimum(b0 + BAGS, B)).to(tl.int64) - s0).to(tl.int32)
+        lo = tl.where(bm, start - s0, 0).to(tl.int32)
+        hi = tl.where(bm, end - s0, 0).to(tl.int32)
+        L = hi - lo
+        p = tl.arange(0, POSITIONS)
+        if ROWS_FIRST:
+            h = tl.zeros([E_PAD, BAGS], dtype=tl.float32)
         else:
-            h += hit.to(tl.float32)
-        if COUNTS:
-            counts += tl.sum(hit.to(tl.int32), axis=0)
-    if POOLING_MEAN:
-        h = h / tl.maximum(L, 1).to(tl.float32)[:, None]
+            h = tl.zeros([BAGS, E_PAD], dtype=tl.float32)
+        ids = tl.load(indices_ptr + s0 + p, mask=p < n, other=-1)
+        for p0 in range(0, n, POSITIONS):
+            q = p0 + p
+            nxt = tl.load(indices_ptr + s0 + POSITIONS + q, mask=q + POSITIONS < n, other=-1)
+            ids = tl.where((ids >= 0) & (ids < E_PAD), ids, -1).to(tl.int32)
+            if ROWS_FIRST:
+                onehot_t = (rows[:, None] == ids[None, :]).to(tl.float16)  # [E_PAD, P]
+                member = ((q[:, None] >= lo[None, :]) & (q[:, None] < hi[None, :])).to(tl.float16)  # [P, BAGS]
+                h += tl.dot(onehot_t, member)
+            else:
+                member_t = ((q[None, :] >= lo[:, None]) & (q[None, :] < hi[:, None])).to(tl.float16)  # [BAGS, P]
+                onehot = (ids[:, None] == rows[None, :]).to(tl.float16)  # [P, E_PAD]
+                h += tl.dot(member_t, onehot)
+            ids = nxt
+        if ROWS_FIRST:
+            if COUNTS:
+                counts = tl.sum(h, axis=1).to(tl.int32)
+            if POOLING_MEAN:
+                h = h / tl.maximum(L, 1).to(tl.float32)[None, :]
+        else:
+            if COUNTS:
+                counts = tl.sum(h, axis=0).to(tl.int32)
+            if POOLING_MEAN:
+                h = h / tl.maximum(L, 1).to(tl.float32)[:, None]
     return h, counts, bm
 
 
@@ -85,6 +133,7 @@ def _small_forward_kernel(
     E_PAD: tl.constexpr,
     BAGS: tl.constexpr,
     GROUPS: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """Grid [cdiv(B, BAGS * GROUPS), T_k]: GROUPS groups of BAGS bags of one small-table feature.
     out_ptr: [B, total_D] (the fixed-batch layout only: no VBE here)."""
@@ -97,7 +146,7 @@ def _small_forward_kernel(
     for g in range(GROUPS):
         b0 = (tl.program_id(0) * GROUPS + g) * BAGS
         h, _, bm = _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
-                              POOLING_MEAN, WEIGHTED, False, BAGS, E_PAD)
+                              POOLING_MEAN, WEIGHTED, False, BAGS, E_PAD, POSITIONS, False)
         pooled = tl.dot(h, table, input_precision="ieee")
         b = (b0 + tl.arange(0, BAGS)).to(tl.int64)
         o_ptrs = out_ptr + (b * total_D + o_col)[:, None] + cols[None, :]
@@ -124,6 +173,7 @@ def _small_backward_partials_kernel(
     E_PAD: tl.constexpr,
     BAGS: tl.constexpr,
     GROUPS: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """Grid [n_chunks, T_k]: chunk c of a small-table feature's bags (GROUPS groups of BAGS) into its
     partial gradient [E_PAD, BLOCK_D] and lookup counts [E_PAD] (slot k * n_chunks + c)."""
@@ -137,11 +187,11 @@ def _small_backward_partials_kernel(
     for g in range(GROUPS):
         b0 = (c * GROUPS + g) * BAGS
         h, counts, bm = _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
-                                   POOLING_MEAN, WEIGHTED, True, BAGS, E_PAD)
+                                   POOLING_MEAN, WEIGHTED, True, BAGS, E_PAD, POSITIONS, True)
         b = (b0 + tl.arange(0, BAGS)).to(tl.int64)
         g_ptrs = grad_out_ptr + (b * total_D + o_col)[:, None] + cols[None, :]
         dout = tl.load(g_ptrs, mask=bm[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(tl.trans(h), dout, input_precision="ieee")
+        acc += tl.dot(h, dout, input_precision="ieee")
         total += counts
     slot = k.to(tl.int64) * n_chunks + c
     tl.store(partials_ptr + slot * (E_PAD * BLOCK_D) + rows[:, None] * BLOCK_D + cols[None, :], acc)
@@ -173,28 +223,39 @@ def _small_backward_apply_kernel(
     BLOCK_D: tl.constexpr,
     RNG_D: tl.constexpr,
     E_PAD: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """Grid [T_k]: a small table's partials summed in chunk order, then one optimizer step for each of
-    its rows the batch touched (a lookup count > 0, per-sample weight or not: as a run of the generic
-    path). RNG_D: the bucket's BLOCK_D, so stochastic rounding draws the generic path's bits."""
-    k = tl.program_id(0)
-    t, D, rows, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
+    """Grid [E_PAD, T_k]: row e of a small table, its partials summed CHUNKS at a time (each step a
+    tree over CHUNKS partial rows, the steps in chunk order: a fixed order, so deterministic), then one
+    optimizer step if the batch touched it (a lookup count > 0, per-sample weight or not: as a run of
+    the generic path). One program per row, not per table: the partials of a table are n_chunks tiles,
+    and a row's reads are independent of the other rows'. RNG_D: the bucket's BLOCK_D, so stochastic
+    rounding draws the generic path's bits."""
+    e = tl.program_id(0)
+    k = tl.program_id(1)
+    t, D, _, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
     E = tl.load(feature_rows_ptr + t)
+    if e >= E:
+        return
     lr = tl.load(lr_ptr)
     step = tl.load(step_ptr)
-    acc = tl.zeros([E_PAD, BLOCK_D], dtype=tl.float32)
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    for c in range(0, n_chunks):
-        slot = k.to(tl.int64) * n_chunks + c
-        acc += tl.load(partials_ptr + slot * (E_PAD * BLOCK_D) + rows[:, None] * BLOCK_D + cols[None, :])
-        total += tl.load(counts_ptr + slot * E_PAD + rows)
-    act = (rows < E) & (total > 0)
+    ch = tl.arange(0, CHUNKS)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([CHUNKS], dtype=tl.int32)
+    for c0 in range(0, n_chunks, CHUNKS):
+        cm = c0 + ch < n_chunks
+        slot = k.to(tl.int64) * n_chunks + c0 + ch
+        tile = tl.load(partials_ptr + (slot * E_PAD + e)[:, None] * BLOCK_D + cols[None, :], mask=cm[:, None], other=0.0)
+        acc += tl.sum(tile, axis=0)
+        total += tl.load(counts_ptr + slot * E_PAD + e, mask=cm, other=0)
+    one = tl.arange(0, 1)
+    act = (one == 0) & (tl.sum(total, axis=0) > 0)
     umask = act[:, None] & (cols[None, :] < D)
-    w_off = tl.load(feature_weight_offset_ptr + t) + rows[:, None].to(tl.int64) * D + cols[None, :]
+    w_off = tl.load(feature_weight_offset_ptr + t) + (e + one)[:, None].to(tl.int64) * D + cols[None, :]
     w = tl.load(weights_ptr + w_off, mask=umask, other=0.0).to(tl.float32)
-    state_row = tl.load(feature_row_offset_ptr + t) + rows
+    state_row = tl.load(feature_row_offset_ptr + t) + e + one
     apply_rows_update(
-        weights_ptr, w_off, w, tl.where(umask, acc, 0.0), umask, act, tl.zeros([E_PAD], dtype=tl.int32) + D,
+        weights_ptr, w_off, w, tl.where(umask, acc[None, :], 0.0), umask, act, tl.zeros([1], dtype=tl.int32) + D,
         state_row, m1_ptr, m2_ptr, m3_ptr, lr, hyper_ptr, step,
         (state_row[:, None] * RNG_D + cols[None, :]).to(tl.int32), OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
         SR_DROP_BITS,

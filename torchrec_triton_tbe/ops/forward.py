@@ -85,7 +85,7 @@ def pooled_forward(
     weighted = per_sample_weights is not None
     out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
     out_align = None if vbe is None else vbe.out_align
-    small = small_table.applies(spec, vbe)
+    small = small_table.applies(spec, vbe, "forward")
     launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align, small)
     if small:
         for k, bucket in enumerate(spec.plan.buckets):

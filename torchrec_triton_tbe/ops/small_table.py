@@ -2,8 +2,8 @@
 
 Which tables: the plan gives tables of at most ``small_table.max_rows`` rows and ``max_dim`` columns,
 each read by one feature, buckets of their own (plan.py). Which calls: fixed-batch pooled ones without
-the fused bounds check (``applies``); any other call runs those buckets through the generic kernels,
-which handle every bucket. The choice is made from the spec and the call's host-side facts only: no
+the fused bounds check, in the passes ``small_table.forward`` / ``.backward`` name (``applies``); any
+other call or pass runs those buckets through the generic kernels, which handle every bucket. The choice is made from the spec and the call's host-side facts only: no
 device sync, so captured backwards (ops/graphs.py) replay it as they replay the rest.
 """
 
@@ -24,9 +24,12 @@ from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
-def applies(spec: TBESpec, vbe) -> bool:
-    """Whether this call takes the small-table path for the plan's small buckets."""
-    return bool(spec.plan.small_tables) and vbe is None and not spec.nobag and not spec.fused_bounds_check
+def applies(spec: TBESpec, vbe, pass_: str) -> bool:
+    """Whether this call's ``pass_`` ("forward" or "backward") takes the small-table path for the plan's
+    small buckets (config small_table.forward / .backward say which passes may)."""
+    st = spec.config.small_table
+    return (bool(spec.plan.small_tables) and bool(getattr(st, pass_)) and vbe is None and not spec.nobag
+            and not spec.fused_bounds_check)
 
 
 def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
@@ -49,7 +52,7 @@ def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor,
          tensors.feature_dim, tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, B,
          spec.plan.total_D),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
-             GROUPS=st.groups),
+             GROUPS=st.groups, POSITIONS=st.positions),
         tile_warps(st.num_warps, max(e_pad, st.bags) * bd),
     )
 
@@ -60,7 +63,7 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
     optimizer step per touched row. ``optim_state``: OptimizerTensors.kernel_args()."""
     st, tensors, bucket = spec.config.small_table, spec.tensors, spec.plan.buckets[k]
     e_pad, bd = _shape(spec, k)
-    n_chunks = cdiv(B, st.bags * st.groups)
+    n_chunks = cdiv(B, st.bags * st.backward_groups)
     features = len(bucket.features)
     weighted = per_sample_weights is not None
     device = grad_out.device
@@ -76,15 +79,15 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
          tensors.bucket_features[k], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
          n_chunks),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
-             GROUPS=st.groups),
+             GROUPS=st.backward_groups, POSITIONS=st.positions),
         warps,
     )
     launch(
         _small_backward_apply_kernel,
-        (features,),
+        (e_pad, features),
         (*optim_state, partials, counts, tensors.bucket_features[k], tensors.feature_dim, tensors.feature_rows,
          tensors.feature_weight_offset, tensors.feature_row_offset, n_chunks),
         dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=bucket.block_d,
-             E_PAD=e_pad),
-        tile_warps(st.num_warps, e_pad * bd),
+             E_PAD=e_pad, CHUNKS=st.apply_chunks),
+        tile_warps(st.num_warps, st.apply_chunks * bd),
     )
