@@ -8,7 +8,8 @@ bench's workload of a suite shape (FBGEMM's request generator, the suite's per-t
 sizes, Zipf exponents) and ours / FBGEMM's modules with identical weights (bench.runner.build_modules),
 and times on the first batch, each in isolation (median, triton.testing.do_bench): linearize, the sort,
 all run metadata (linearize and sort included), the fused update (short, long and small-table kernels
-of every D bucket, all routed as in training), and the whole backward of ours and of FBGEMM (CUDA
+of every D bucket, all routed as in training; where the small-table path applies, its buckets' kernels
+alone too), and the whole backward of ours and of FBGEMM (CUDA
 events around ``out.backward``). The update rewrites the weights each time it runs: these are
 timings, not a training run. Per bucket, the update alone again (the other buckets' lookups still
 in the runs) and the bucket's lookups and long-run share (RunPlan.stats over its slots).
@@ -27,6 +28,7 @@ from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import load_suite
 from torchrec_triton_tbe.bench.runner import RunOptions, _call, build_modules
 from torchrec_triton_tbe.ops import backward as bwd_ops
+from torchrec_triton_tbe.ops import small_table as small_ops
 from torchrec_triton_tbe.ops import transpose as tr_ops
 
 
@@ -60,6 +62,12 @@ def main() -> int:
     psw_f = psw.float() if psw is not None else None
     grad = w.grad_output.to(_call(ours, w, 0).dtype)  # what autograd hands the backward
     res["fused_update"] = bench(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, psw_f, B, indices=idx))
+    if small_ops.applies(spec, None, "backward"):
+        # The small-table path's share of the fused update: each small bucket's kernels alone.
+        res["small_table_update"] = {
+            f"bucket {k} (BLOCK_D {b.block_d}, {len(b.tables)} tables)": bench(
+                lambda k=k: small_ops.backward(spec, k, state.kernel_args(), grad, idx, off, psw_f, B))
+            for k, b in enumerate(spec.plan.buckets) if b.small and b.features}
     res["ours_backward"] = timed_backward(lambda: _call(ours, w, 0), w.grad_output)
     res["fbgemm_backward"] = timed_backward(lambda: _call(fb, w, 0), w.grad_output)
     # Per bucket: its slots' run statistics (lookups, runs, long runs, longest run).
