@@ -6,7 +6,7 @@ and gathers one output-gradient row per lookup (L gathers of the same bag's row)
 counts each bag's ids per row, H[b, e], and then works per bag:
     forward   out[b, :]  = H[b, :] @ W            (W, the whole table, loaded once per program)
     backward  grad[e, :] = sum_b H[b, e] * dout[b, :]   (split over bag chunks, partials reduced in
-                                                         chunk order, then one optimizer step per row)
+                                                         a fixed order, then one optimizer step per row)
 How H is counted: unweighted, a group's lookups are one contiguous stretch of the ids, taken
 POSITIONS at a time as H += member^T @ onehot (0 / 1 fp16 operands, fp32 accumulator: exact counts, on
 tensor cores); weighted, one id per bag per step, the weights summed in fp32 (a weight is no exact
