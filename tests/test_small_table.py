@@ -22,6 +22,7 @@ from tbe_cases import (
 )
 from torchrec_triton_tbe.config import load_named
 from torchrec_triton_tbe.ops import small_table as small_ops
+from torchrec_triton_tbe.ops import transpose as tr_ops
 from torchrec_triton_tbe.plan import TablePlan
 
 BASE = load_named("interpreter")
@@ -163,6 +164,45 @@ def test_each_pass_takes_the_path_on_its_own(monkeypatch):
     generic = _train(BASE, EmbOptimType.EXACT_SGD, PoolingMode.SUM, False)
     for a, b in zip(neither.split_embedding_weights(), generic.split_embedding_weights()):
         assert torch.equal(a, b)
+
+
+def _bags_of(lengths_per_feature, B, generator):
+    """A fixed batch whose feature t's bags have lengths drawn from lengths_per_feature[t] (lo, hi)."""
+    lengths = torch.cat([torch.randint(lo, hi + 1, (B,), generator=generator) for lo, hi in lengths_per_feature])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = [torch.randint(0, SPECS[FTM[t]][0], (int(lengths[t * B:(t + 1) * B].sum()),), generator=generator)
+           for t in range(len(FTM))]
+    return torch.cat(ids), offsets
+
+
+def test_backward_min_bag_picks_the_path_per_feature_and_call():
+    # backward_min_bag 10: per call, a small table's feature whose bags average >= 10 ids takes the path
+    # (feature 3: exactly 10 each), one with shorter bags keeps the generic kernels; the decision is the
+    # device's (no sync), so the sort keys show it: the taken features' lookups keep the sentinel key.
+    cfg = SMALL.replace_small_table(forward=0, backward_min_bag=10)
+    B = 6
+    batches = [((20, 30), (0, 3), (0, 5), (10, 10), (1, 4), (0, 2)),   # features 0 and 3 taken
+               ((0, 3), (12, 20), (0, 5), (0, 4), (1, 4), (0, 2))]     # now feature 1 only
+    taken = [{0, 3}, {1}]
+    g = torch.Generator().manual_seed(5)
+    data = [_bags_of(lengths, B, g) for lengths in batches]
+    grads = [torch.randn(B, sum(d for _, d in (SPECS[k] for k in FTM)), generator=g) for _ in data]
+    trained = []
+    for config in (cfg, BASE):
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=config,
+                            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.2, eps=0.05)
+        for (ids, offsets), grad, want in zip(data, grads, taken):
+            if config is cfg:
+                runs = tr_ops.build_runs(ours.spec, ids, offsets, B)
+                lengths = offsets[1:] - offsets[:-1]
+                sentinel = int((runs.sorted_keys == ours.spec.plan.sentinel_key).sum())
+                assert sentinel == sum(int(lengths[t * B:(t + 1) * B].sum()) for t in want)
+            ours(ids, offsets).backward(grad)
+        trained.append(ours)
+    small, generic = trained
+    for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
+        assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
+    assert_close(small.momentum1, generic.momentum1, "row-wise state", atol=1e-5, rtol=1e-5)
 
 
 def test_switching_the_path_on_mid_training_keeps_training():

@@ -64,7 +64,7 @@ class TBEFunction(torch.autograd.Function):
             ctx.mark_dirty(vbe_output)
         # Hoisted transpose: sort + run-length encode now (forward is often off the critical path
         # of the backward's communication), carried to backward on ctx.
-        ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B) if spec.hoist_transpose else None
+        ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B, vbe) if spec.hoist_transpose else None
         ctx.call = call
         ctx.vbe = vbe
         ctx.merged = vbe_output is not None

@@ -166,7 +166,10 @@ class SmallTableConfig:
     runs, no per-lookup gradient gathers). Fixed-batch pooled forwards only; variable batches (VBE),
     the fused bounds check and sequence tables keep the generic path for every table. ``forward`` /
     ``backward`` (1 or 0): which passes take the path; the other runs those tables' buckets through the
-    generic kernels."""
+    generic kernels. ``backward_min_bag``: the backward takes a small table's feature only when its
+    bags hold at least this many ids on average in the call (0: always); decided per call and feature
+    on the device, from the offsets (no sync), by the sort keys' pass and the path's kernels alike, so
+    every lookup goes to exactly one of the two paths."""
 
     max_rows: int = 0
     max_dim: int = 128
@@ -177,6 +180,7 @@ class SmallTableConfig:
     apply_chunks: int = 32  # partial tiles summed per step of the apply: a power of two
     forward: int = 1
     backward: int = 1
+    backward_min_bag: int = 0
     num_warps: int = 4
 
 
@@ -371,6 +375,8 @@ class KernelConfig:
         if not (pow2(st.positions) and st.positions >= 16) or not pow2(st.apply_chunks):
             problems.append("small_table.positions must be a power of two >= 16 and small_table.apply_chunks a "
                             "power of two")
+        if st.backward_min_bag < 0:
+            problems.append(f"small_table.backward_min_bag must be >= 0 (0: always), got {st.backward_min_bag}")
         if st.forward not in (0, 1) or st.backward not in (0, 1):
             problems.append(f"small_table.forward and small_table.backward must be 0 or 1, got {st.forward}, "
                             f"{st.backward}")

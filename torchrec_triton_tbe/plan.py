@@ -194,6 +194,7 @@ class PlanTensors:
     feature_row_offset: torch.Tensor  # int64 [T] first row of the table in the per-row state
     feature_out_offset: torch.Tensor  # int32 [T] column offset in the pooled output
     feature_key_offset: torch.Tensor  # int64 [T] sort key of row 0 of the feature's table
+    feature_small: torch.Tensor  # int32 [T] 1 where the feature's table is in a small-table bucket
     bucket_features: tuple[torch.Tensor, ...]  # int32 [T_k] per bucket
     bucket_key_bounds: torch.Tensor  # [K + 1] key_dtype: bucket k owns keys [b[k], b[k+1])
     # The one-launch pooled forward's entries (ops/forward.py, kernels/forward.py COL_CHUNKS): a
@@ -226,6 +227,7 @@ class PlanTensors:
             feature_row_offset=torch.tensor([plan.row_offsets[k] for k in ftm], **i64),
             feature_out_offset=torch.tensor(plan.D_offsets[:-1], **i32),
             feature_key_offset=torch.tensor([plan.key_offsets[k] for k in ftm], **i64),
+            feature_small=torch.tensor([int(k in plan.small_tables) for k in ftm], **i32),
             bucket_features=tuple(torch.tensor(b.features, **i32) for b in plan.buckets),
             bucket_key_bounds=torch.tensor(key_bounds, dtype=plan.key_dtype, device=device),
             grouped_features=torch.tensor([t for t, _ in entries], **i32),

@@ -40,6 +40,17 @@ def _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _feature_lookups(offsets_ptr, t, B):
+    """Feature t's lookups in this call (its B bags' ids). The backward takes a small table's feature
+    on the path when they are at least min_lookups (backward_min_bag * B): read from the offsets on the
+    device by the sort keys' pass (kernels/transpose.py, whose sentinel keys then keep those lookups out
+    of every generic run) and by both backward kernels below, the same comparison everywhere, so each
+    lookup's gradient is applied by exactly one path."""
+    base = t.to(tl.int64) * B
+    return tl.load(offsets_ptr + base + B).to(tl.int64) - tl.load(offsets_ptr + base).to(tl.int64)
+
+
+@triton.jit
 def _histogram(indices_ptr, offsets_ptr, psw_ptr, t, b0, B, rows,
                POOLING_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, COUNTS: tl.constexpr,
                BAGS: tl.constexpr, E_PAD: tl.constexpr, POSITIONS: tl.constexpr, ROWS_FIRST: tl.constexpr):
@@ -167,6 +178,7 @@ def _small_backward_partials_kernel(
     B,
     total_D,
     n_chunks,
+    min_lookups,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -176,10 +188,13 @@ def _small_backward_partials_kernel(
     POSITIONS: tl.constexpr,
 ):
     """Grid [n_chunks, T_k]: chunk c of a small-table feature's bags (GROUPS groups of BAGS) into its
-    partial gradient [E_PAD, BLOCK_D] and lookup counts [E_PAD] (slot k * n_chunks + c)."""
+    partial gradient [E_PAD, BLOCK_D] and lookup counts [E_PAD] (slot k * n_chunks + c). A feature the
+    path does not take this call (_feature_lookups) writes nothing: its apply programs return too."""
     c = tl.program_id(0)
     k = tl.program_id(1)
     t, D, rows, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
+    if _feature_lookups(offsets_ptr, t, B) < min_lookups:
+        return
     o_col = tl.load(feature_out_offset_ptr + t).to(tl.int64)
     cmask = cols < D
     acc = tl.zeros([E_PAD, BLOCK_D], dtype=tl.float32)
@@ -214,7 +229,10 @@ def _small_backward_apply_kernel(
     feature_rows_ptr,
     feature_weight_offset_ptr,
     feature_row_offset_ptr,
+    offsets_ptr,
+    B,
     n_chunks,
+    min_lookups,
     OPTIM: tl.constexpr,
     WD_MODE: tl.constexpr,
     MAX_NORM: tl.constexpr,
@@ -235,7 +253,7 @@ def _small_backward_apply_kernel(
     k = tl.program_id(1)
     t, D, _, cols = _feature(bucket_features_ptr, k, feature_dim_ptr, E_PAD, BLOCK_D)
     E = tl.load(feature_rows_ptr + t)
-    if e >= E:
+    if (e >= E) | (_feature_lookups(offsets_ptr, t, B) < min_lookups):
         return
     lr = tl.load(lr_ptr)
     step = tl.load(step_ptr)

@@ -19,6 +19,8 @@ no launch needs a count that only the device knows.
 import triton
 import triton.language as tl
 
+from torchrec_triton_tbe.kernels.small_table import _feature_lookups
+
 
 @triton.jit
 def _linearize_kernel(
@@ -27,11 +29,14 @@ def _linearize_kernel(
     feature_key_offset_ptr,
     keys_ptr,
     bags_ptr,
+    feature_small_ptr,
     B,
     bag_shift,
+    min_lookups,
     BLOCK_BAGS: tl.constexpr,
     STEP: tl.constexpr,
     NOBAG: tl.constexpr,
+    SMALL: tl.constexpr,
 ):
     """
     Grid: [cdiv(B, BLOCK_BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
@@ -49,8 +54,15 @@ def _linearize_kernel(
     feature_key_offset_ptr: [T] int64.
     keys_ptr: [N] int32/int64 out (pre-filled with the sentinel for lookups outside every bag).
     bags_ptr: [N] int32/int64 out.
+
+    SMALL (the backward takes the small-table path, ops/small_table.py): the lookups of a small-table
+    feature the path takes this call (kernels/small_table.py _feature_lookups; feature_small_ptr: [T]
+    int32 flags) keep the sentinel key, so they sort past every bucket and no generic kernel applies them.
     """
     t = tl.program_id(1)
+    if SMALL:
+        if (tl.load(feature_small_ptr + t) != 0) & (_feature_lookups(offsets_ptr, t, B) >= min_lookups):
+            return
     b = tl.program_id(0) * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS)
     bmask = b < B
     bag = t.to(tl.int64) * B + b

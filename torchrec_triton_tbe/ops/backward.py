@@ -177,8 +177,9 @@ def fused_update(
         if not bucket.features:
             continue
         if small and bucket.small:
+            # The path takes the bucket's features with enough lookups this call, decided on the
+            # device; the generic kernels below apply the others' runs (the taken ones have none).
             small_table.backward(spec, k, optim_state, grad_out, indices, offsets, per_sample_weights, B)
-            continue
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(
@@ -314,7 +315,7 @@ def backward_step(
     built them), one optimizer step per touched row, the step counter. Device work only (no host
     sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
     if runs is None:
-        runs = build_runs(spec, indices, offsets, B)
+        runs = build_runs(spec, indices, offsets, B, vbe)
     fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe, indices)
     state.step.add_(1)
     return runs

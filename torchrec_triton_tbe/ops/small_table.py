@@ -32,6 +32,13 @@ def applies(spec: TBESpec, vbe, pass_: str) -> bool:
             and not spec.fused_bounds_check)
 
 
+def min_lookups(spec: TBESpec, B: int) -> int:
+    """The lookups a small-table feature needs in a backward of B bags to take the path (config
+    small_table.backward_min_bag per bag); the kernels compare it with the feature's count on the
+    device (kernels/small_table.py _feature_lookups)."""
+    return spec.config.small_table.backward_min_bag * B
+
+
 def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
     """(E_PAD, BLOCK_D) of small bucket k: the tl.dot operands' sides are at least 16."""
     bucket = spec.plan.buckets[k]
@@ -60,7 +67,9 @@ def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor,
 def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, indices: torch.Tensor,
              offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], B: int) -> None:
     """Bucket k's gradients summed per row (partials per bag chunk, reduced in chunk order) and one
-    optimizer step per touched row. ``optim_state``: OptimizerTensors.kernel_args()."""
+    optimizer step per touched row. ``optim_state``: OptimizerTensors.kernel_args(). Features whose
+    lookups are under ``min_lookups`` this call are left to the generic kernels (their programs here
+    return at once; the sort keys' pass gave their lookups real keys)."""
     st, tensors, bucket = spec.config.small_table, spec.tensors, spec.plan.buckets[k]
     e_pad, bd = _shape(spec, k)
     n_chunks = cdiv(B, st.bags * st.backward_groups)
@@ -72,12 +81,13 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
     partials = torch.empty(features * n_chunks * e_pad * bd, dtype=torch.float32, device=device)
     counts = torch.empty(features * n_chunks * e_pad, dtype=torch.int32, device=device)
     warps = tile_warps(st.num_warps, max(e_pad, st.bags) * bd)
+    least = min_lookups(spec, B)
     launch(
         _small_backward_partials_kernel,
         (n_chunks, features),
         (partials, counts, grad_out, indices, offsets, per_sample_weights if weighted else grad_out,
          tensors.bucket_features[k], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
-         n_chunks),
+         n_chunks, least),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
              GROUPS=st.backward_groups, POSITIONS=st.positions),
         warps,
@@ -86,7 +96,7 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
         _small_backward_apply_kernel,
         (e_pad, features),
         (*optim_state, partials, counts, tensors.bucket_features[k], tensors.feature_dim, tensors.feature_rows,
-         tensors.feature_weight_offset, tensors.feature_row_offset, n_chunks),
+         tensors.feature_weight_offset, tensors.feature_row_offset, offsets, B, n_chunks, least),
         dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=bucket.block_d,
              E_PAD=e_pad, CHUNKS=st.apply_chunks),
         tile_warps(st.num_warps, st.apply_chunks * bd),

@@ -20,6 +20,7 @@ from torchrec_triton_tbe.kernels.transpose import (
     _run_starts_kernel,
     _scan_totals_kernel,
 )
+from torchrec_triton_tbe.ops import small_table
 from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
 
@@ -77,8 +78,9 @@ def bag_code(num_features: int, B: int) -> tuple[int, torch.dtype]:
     return shift, torch.int32 if (max(num_features, 1) << shift) <= 2**31 else torch.int64
 
 
-def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int):
-    """Sort key and bag id of every lookup (lookups outside every bag get the sentinel key), and the
+def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int, vbe=None):
+    """Sort key and bag id of every lookup (lookups outside every bag, and those of the small-table
+    features this backward takes on its own path, ops/small_table.py, get the sentinel key), and the
     bag ids' shift (bag_code)."""
     N = indices.numel()
     plan, cfg = spec.plan, spec.config.transpose
@@ -88,11 +90,13 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     bags = torch.empty(N, dtype=bag_dtype, device=indices.device)
     if N and B:
         block_bags, step = linearize_tile(cfg.bags_per_program, cfg.lookups_per_step, N, B * plan.num_features)
+        small = small_table.applies(spec, vbe, "backward")
         launch(
             _linearize_kernel,
             (cdiv(B, block_bags), plan.num_features),
-            (indices, offsets, spec.tensors.feature_key_offset, keys, bags, B, bag_shift),
-            dict(BLOCK_BAGS=block_bags, STEP=step, NOBAG=spec.nobag),
+            (indices, offsets, spec.tensors.feature_key_offset, keys, bags, spec.tensors.feature_small, B, bag_shift,
+             small_table.min_lookups(spec, B) if small else 0),
+            dict(BLOCK_BAGS=block_bags, STEP=step, NOBAG=spec.nobag, SMALL=small),
             cfg.num_warps,
         )
     return keys, bags, bag_shift
@@ -108,11 +112,13 @@ def linearize_tile(bags_per_program: int, lookups_per_step: int, num_lookups: in
     return bags_per_program * (lookups_per_step // step), step
 
 
-def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> RunPlan:
+def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int, vbe=None) -> RunPlan:
+    """The runs of this call's lookups. ``vbe``: the call's VBELayout (None: fixed batch); with it, or
+    any other call the small-table path does not take, every lookup gets its key."""
     N = indices.numel()
     device = indices.device
     bcfg, tcfg = spec.config.backward, spec.config.transpose
-    keys, bags, bag_shift = linearize(spec, indices, offsets, B)
+    keys, bags, bag_shift = linearize(spec, indices, offsets, B, vbe)
     # Stable sort: equal keys keep batch order, so each run is reduced in the same order every time.
     sorted_keys, perm = torch.sort(keys, stable=True)
     idt = _index_dtype(N + 1)
