@@ -69,6 +69,18 @@ def test_bad_knobs_are_rejected(patch, match, tmp_path):
         load_named(str(path))
 
 
+@pytest.mark.parametrize("section,key", [("forward", "gathers"), ("transpose", "run_blocks"),
+                                         ("backward", "graph_max_lookup"), ("small_table", "min_bag"), (None, "smal_table")])
+def test_unknown_keys_are_rejected_not_dropped(section, key, tmp_path):
+    # A misspelt knob must not silently fall back to its default.
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    (doc if section is None else doc[section])[key] = 1
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=rf"unknown .*keys \['{key}'\]"):
+        load_named(str(path))
+
+
 def test_selection_order(monkeypatch, tmp_path):
     cpu = torch.device("cpu")
     assert load_config(cpu).target == "interpreter"

@@ -184,6 +184,15 @@ class SmallTableConfig:
     num_warps: int = 4
 
 
+_TOP_LEVEL_KEYS = {"target", "tuned", "forward", "transpose", "backward", "small_table", "precompile"}
+
+
+def _refuse_unknown(d: Mapping[str, Any], known: set, what: str, where: str) -> None:
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"invalid kernel config {where}: unknown {what}keys {unknown} (known: {sorted(known)})")
+
+
 def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
     known = {f.name for f in dataclasses.fields(SmallTableConfig)}
     unknown = sorted(set(d) - known)
@@ -258,7 +267,13 @@ class KernelConfig:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], source: str = "") -> "KernelConfig":
+        where = source or str(d.get("target", "?"))
+        # A misspelt knob would otherwise be dropped and its default used without a word.
+        _refuse_unknown(d, _TOP_LEVEL_KEYS, "", where)
         f, tr, b = d["forward"], d["transpose"], d["backward"]
+        for name, section, cls in (("forward", f, ForwardConfig), ("transpose", tr, TransposeConfig),
+                                   ("backward", b, BackwardConfig)):
+            _refuse_unknown(section, {x.name for x in dataclasses.fields(cls)}, name + " ", where)
         cfg = KernelConfig(
             target=str(d["target"]),
             tuned=bool(d.get("tuned", False)),
