@@ -4,6 +4,8 @@ generic path (to fp32 summation order) for every optimizer, pooling, per-sample 
 dtype; the same as FBGEMM's CPU TBE; calls the path cannot take (VBE, the fused bounds check) run
 those tables through the generic kernels."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -58,6 +60,11 @@ def test_plan_gives_small_tables_buckets_of_their_own():
     off = TablePlan.build(SPECS, FTM)
     assert not off.small_tables and [(b.block_d, b.tables) for b in off.buckets] == [(4, (3,)), (8, (0, 4)), (16, (1, 2))]
     assert TablePlan.build(SPECS, FTM, small_max_rows=64, small_max_dim=8).small_tables == {0, 3}
+    # The small groups are the small buckets' tables; without the split the buckets are the plain ones.
+    assert [(g.block_d, g.tables, g.features) for g in plan.small_groups] == [(4, (3,), (3,)), (8, (0,), (0,)),
+                                                                            (16, (1,), (1,))]
+    unsplit = dataclasses.replace(plan, small_split=False)
+    assert unsplit.buckets == off.buckets and unsplit.small_groups == plan.small_groups
     for name in ("interpreter", "sm90", "sm100"):
         assert load_named(name).small_table.max_rows == 0, name
 
@@ -155,7 +162,9 @@ def test_each_pass_takes_the_path_on_its_own(monkeypatch):
         ran.clear()
         small = _train(bwd_only, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, weighted)
         generic = _train(BASE, EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, weighted)
-        assert sorted(set(ran)) == [k for k, b in enumerate(small.spec.plan.buckets) if b.small and b.features]
+        # Without the forward's path the small tables keep the generic buckets (no bucket of their own).
+        assert not any(b.small for b in small.spec.plan.buckets)
+        assert sorted(set(ran)) == [g for g, grp in enumerate(small.spec.plan.small_groups) if grp.features]
         for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
             assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
     # ... and backward: 0 leaves the backward to the generic kernels too.

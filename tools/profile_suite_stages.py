@@ -63,11 +63,11 @@ def main() -> int:
     grad = w.grad_output.to(_call(ours, w, 0).dtype)  # what autograd hands the backward
     res["fused_update"] = bench(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, psw_f, B, indices=idx))
     if small_ops.applies(spec, None, "backward"):
-        # The small-table path's share of the fused update: each small bucket's kernels alone.
+        # The small-table path's share of the fused update: each small group's kernels alone.
         res["small_table_update"] = {
-            f"bucket {k} (BLOCK_D {b.block_d}, {len(b.tables)} tables)": bench(
-                lambda k=k: small_ops.backward(spec, k, state.kernel_args(), grad, idx, off, psw_f, B))
-            for k, b in enumerate(spec.plan.buckets) if b.small and b.features}
+            f"group {g} (BLOCK_D {grp.block_d}, {len(grp.tables)} tables)": bench(
+                lambda g=g: small_ops.backward(spec, g, state.kernel_args(), grad, idx, off, psw_f, B))
+            for g, grp in enumerate(spec.plan.small_groups) if grp.features}
     res["ours_backward"] = timed_backward(lambda: _call(ours, w, 0), w.grad_output)
     res["fbgemm_backward"] = timed_backward(lambda: _call(fb, w, 0), w.grad_output)
     # Per bucket: its slots' run statistics (lookups, runs, long runs, longest run).

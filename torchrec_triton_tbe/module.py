@@ -49,12 +49,14 @@ _UPDATABLE = ("eps", "beta1", "beta2", "weight_decay")
 
 
 def _with_small_tables(plan: TablePlan, config: KernelConfig, nobag: bool) -> TablePlan:
-    """``plan`` with the small-table path's reach of ``config`` (none for sequence tables)."""
+    """``plan`` with the small-table path's reach of ``config`` (none for sequence tables); their own
+    buckets only where the forward takes the path."""
     st = config.small_table
     rows, dim = (0, 0) if nobag else (st.max_rows, st.max_dim)
-    if (plan.small_max_rows, plan.small_max_dim) == (rows, dim):
+    split = bool(st.forward)
+    if (plan.small_max_rows, plan.small_max_dim, plan.small_split) == (rows, dim, split):
         return plan
-    return dataclasses.replace(plan, small_max_rows=rows, small_max_dim=dim)
+    return dataclasses.replace(plan, small_max_rows=rows, small_max_dim=dim, small_split=split)
 
 
 def _resolve_device(device, specs) -> torch.device:

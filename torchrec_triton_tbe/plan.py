@@ -43,15 +43,28 @@ class Bucket:
 
 
 @dataclasses.dataclass(frozen=True)
+class SmallGroup:
+    """Small tables (kernels/small_table.py) of one ``BLOCK_D``: what one launch of that path covers."""
+
+    block_d: int
+    features: tuple[int, ...]
+    tables: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class TablePlan:
     rows: tuple[int, ...]  # per table
     dims: tuple[int, ...]  # per table
     feature_table_map: tuple[int, ...]  # per feature
     table_names: tuple[str, ...] = ()
     # The small-table path's reach (config.SmallTableConfig): tables of at most this many rows (0: none)
-    # and at most small_max_dim columns, read by one feature each, get buckets of their own.
+    # and at most small_max_dim columns, read by one feature each, form small_groups; with small_split
+    # (the forward's path needs it: the generic forward skips whole buckets) they also get buckets of
+    # their own, otherwise they stay in the generic buckets (one bucket more per width cost the H200
+    # 0.27 ms of forward and 0.18 ms of backward on prod_t40_b16k, 2026-12-02).
     small_max_rows: int = 0
     small_max_dim: int = 0
+    small_split: bool = True
 
     def table_label(self, k: int) -> str:
         return f"table {k} ({self.table_names[k]!r})" if self.table_names else f"table {k}"
@@ -124,8 +137,9 @@ class TablePlan:
         # Generic buckets first, then the small tables' own (per width): each bucket's tables are one
         # contiguous key range either way.
         buckets, key = [], 0
+        own = self.small_tables if self.small_split else frozenset()
         for small in (False, True):
-            chosen = [k for k in range(self.num_tables) if (k in self.small_tables) == small]
+            chosen = [k for k in range(self.num_tables) if (k in own) == small]
             for w in sorted({block_d(self.dims[k]) for k in chosen}):
                 tables = tuple(k for k in chosen if block_d(self.dims[k]) == w)
                 features = tuple(t for t, k in enumerate(self.feature_table_map) if k in tables)
@@ -133,6 +147,15 @@ class TablePlan:
                 key += sum(self.rows[k] for k in tables)
                 buckets.append(Bucket(w, features, tables, begin, key, small))
         return tuple(buckets)
+
+    @functools.cached_property
+    def small_groups(self) -> tuple[SmallGroup, ...]:
+        """The small tables by width (with small_split: the small buckets' tables, in their order)."""
+        groups = []
+        for w in sorted({block_d(self.dims[k]) for k in self.small_tables}):
+            tables = tuple(k for k in sorted(self.small_tables) if block_d(self.dims[k]) == w)
+            groups.append(SmallGroup(w, tuple(t for t, k in enumerate(self.feature_table_map) if k in tables), tables))
+        return tuple(groups)
 
     @functools.cached_property
     def key_offsets(self) -> tuple[int, ...]:
@@ -196,6 +219,7 @@ class PlanTensors:
     feature_key_offset: torch.Tensor  # int64 [T] sort key of row 0 of the feature's table
     feature_small: torch.Tensor  # int32 [T] 1 where the feature's table is in a small-table bucket
     bucket_features: tuple[torch.Tensor, ...]  # int32 [T_k] per bucket
+    small_group_features: tuple[torch.Tensor, ...]  # int32 [T_g] per TablePlan.small_groups entry
     bucket_key_bounds: torch.Tensor  # [K + 1] key_dtype: bucket k owns keys [b[k], b[k+1])
     # The one-launch pooled forward's entries (ops/forward.py, kernels/forward.py COL_CHUNKS): a
     # (feature, first column) pair per chunk_width-wide column slice of every feature, the generic
@@ -229,6 +253,7 @@ class PlanTensors:
             feature_key_offset=torch.tensor([plan.key_offsets[k] for k in ftm], **i64),
             feature_small=torch.tensor([int(k in plan.small_tables) for k in ftm], **i32),
             bucket_features=tuple(torch.tensor(b.features, **i32) for b in plan.buckets),
+            small_group_features=tuple(torch.tensor(g.features, **i32) for g in plan.small_groups),
             bucket_key_bounds=torch.tensor(key_bounds, dtype=plan.key_dtype, device=device),
             grouped_features=torch.tensor([t for t, _ in entries], **i32),
             grouped_cols=torch.tensor([c for _, c in entries], **i32),

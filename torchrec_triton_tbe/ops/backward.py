@@ -173,13 +173,16 @@ def fused_update(
     # One countdown per long run (indexed by its first chunk, unique across buckets).
     counters = torch.zeros(runs.max_chunks, dtype=torch.int32, device=grad_out.device) if fused_long else None
     optim_state = state.kernel_args()
+    if small:
+        # The path takes the small tables' features with enough lookups this call, decided on the
+        # device; the generic kernels below apply the others' runs (the taken ones have none). The two
+        # touch disjoint rows, so their order does not matter.
+        for g, group in enumerate(plan.small_groups):
+            if group.features:
+                small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
     for k, bucket in enumerate(plan.buckets):
         if not bucket.features:
             continue
-        if small and bucket.small:
-            # The path takes the bucket's features with enough lookups this call, decided on the
-            # device; the generic kernels below apply the others' runs (the taken ones have none).
-            small_table.backward(spec, k, optim_state, grad_out, indices, offsets, per_sample_weights, B)
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(

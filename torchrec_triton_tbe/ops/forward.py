@@ -88,9 +88,9 @@ def pooled_forward(
     small = small_table.applies(spec, vbe, "forward")
     launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align, small)
     if small:
-        for k, bucket in enumerate(spec.plan.buckets):
-            if bucket.small and bucket.features:
-                small_table.forward(spec, k, weights, indices, offsets, per_sample_weights, out, B)
+        for g, group in enumerate(spec.plan.small_groups):
+            if group.features:
+                small_table.forward(spec, g, weights, indices, offsets, per_sample_weights, out, B)
     streams = bucket_streams(spec.config.forward, len(launches), indices.numel(), weights.device)
     for i, (features, cols, grid, constexprs, warps) in enumerate(launches):
         args = (

@@ -1,9 +1,12 @@
-"""Launch the small-table path (kernels/small_table.py) for the plan's small buckets.
+"""Launch the small-table path (kernels/small_table.py) for the plan's small groups.
 
-Which tables: the plan gives tables of at most ``small_table.max_rows`` rows and ``max_dim`` columns,
-each read by one feature, buckets of their own (plan.py). Which calls: fixed-batch pooled ones without
+Which tables: tables of at most ``small_table.max_rows`` rows and ``max_dim`` columns, each read by one
+feature, are the plan's small groups (plan.py; buckets of their own only where the forward takes the
+path). Which calls: fixed-batch pooled ones without
 the fused bounds check, in the passes ``small_table.forward`` / ``.backward`` name (``applies``); any
-other call or pass runs those buckets through the generic kernels, which handle every bucket. The choice is made from the spec and the call's host-side facts only: no
+other call or pass runs those tables through the generic kernels, which handle every bucket. The
+choice is made from the spec and the call's host-side facts only (the backward's per-feature choice,
+backward_min_bag, on the device): no
 device sync, so captured backwards (ops/graphs.py) replay it as they replay the rest.
 """
 
@@ -26,10 +29,11 @@ from torchrec_triton_tbe.ops.spec import TBESpec
 
 def applies(spec: TBESpec, vbe, pass_: str) -> bool:
     """Whether this call's ``pass_`` ("forward" or "backward") takes the small-table path for the plan's
-    small buckets (config small_table.forward / .backward say which passes may)."""
+    small groups (config small_table.forward / .backward say which passes may; the forward's needs the
+    small tables' own buckets, TablePlan.small_split)."""
     st = spec.config.small_table
     return (bool(spec.plan.small_tables) and bool(getattr(st, pass_)) and vbe is None and not spec.nobag
-            and not spec.fused_bounds_check)
+            and not spec.fused_bounds_check and (pass_ == "backward" or spec.plan.small_split))
 
 
 def min_lookups(spec: TBESpec, B: int) -> int:
@@ -39,23 +43,23 @@ def min_lookups(spec: TBESpec, B: int) -> int:
     return spec.config.small_table.backward_min_bag * B
 
 
-def _shape(spec: TBESpec, k: int) -> tuple[int, int]:
-    """(E_PAD, BLOCK_D) of small bucket k: the tl.dot operands' sides are at least 16."""
-    bucket = spec.plan.buckets[k]
-    rows = max(spec.plan.rows[t] for t in bucket.tables)
-    return max(16, triton.next_power_of_2(rows)), max(16, bucket.block_d)
+def _shape(spec: TBESpec, g: int) -> tuple[int, int]:
+    """(E_PAD, BLOCK_D) of small group g: the tl.dot operands' sides are at least 16."""
+    group = spec.plan.small_groups[g]
+    rows = max(spec.plan.rows[t] for t in group.tables)
+    return max(16, triton.next_power_of_2(rows)), max(16, group.block_d)
 
 
-def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+def forward(spec: TBESpec, g: int, weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
             per_sample_weights: Optional[torch.Tensor], out: torch.Tensor, B: int) -> None:
-    """Bucket k's pooled outputs into ``out`` ([B, total_D])."""
+    """Small group g's pooled outputs into ``out`` ([B, total_D])."""
     st, tensors = spec.config.small_table, spec.tensors
-    e_pad, bd = _shape(spec, k)
+    e_pad, bd = _shape(spec, g)
     weighted = per_sample_weights is not None
     launch(
         _small_forward_kernel,
-        (cdiv(B, st.bags * st.groups), len(spec.plan.buckets[k].features)),
-        (weights, indices, offsets, per_sample_weights if weighted else weights, out, tensors.bucket_features[k],
+        (cdiv(B, st.bags * st.groups), len(spec.plan.small_groups[g].features)),
+        (weights, indices, offsets, per_sample_weights if weighted else weights, out, tensors.small_group_features[g],
          tensors.feature_dim, tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, B,
          spec.plan.total_D),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
@@ -64,16 +68,16 @@ def forward(spec: TBESpec, k: int, weights: torch.Tensor, indices: torch.Tensor,
     )
 
 
-def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, indices: torch.Tensor,
+def backward(spec: TBESpec, g: int, optim_state: tuple, grad_out: torch.Tensor, indices: torch.Tensor,
              offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor], B: int) -> None:
-    """Bucket k's gradients summed per row (partials per bag chunk, reduced in chunk order) and one
+    """Small group g's gradients summed per row (partials per bag chunk, reduced in chunk order) and one
     optimizer step per touched row. ``optim_state``: OptimizerTensors.kernel_args(). Features whose
     lookups are under ``min_lookups`` this call are left to the generic kernels (their programs here
     return at once; the sort keys' pass gave their lookups real keys)."""
-    st, tensors, bucket = spec.config.small_table, spec.tensors, spec.plan.buckets[k]
-    e_pad, bd = _shape(spec, k)
+    st, tensors, group = spec.config.small_table, spec.tensors, spec.plan.small_groups[g]
+    e_pad, bd = _shape(spec, g)
     n_chunks = cdiv(B, st.bags * st.backward_groups)
-    features = len(bucket.features)
+    features = len(group.features)
     weighted = per_sample_weights is not None
     device = grad_out.device
     # Every slot is written by its chunk's program (zeros included), so no fill is needed; sized from
@@ -86,7 +90,7 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
         _small_backward_partials_kernel,
         (n_chunks, features),
         (partials, counts, grad_out, indices, offsets, per_sample_weights if weighted else grad_out,
-         tensors.bucket_features[k], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
+         tensors.small_group_features[g], tensors.feature_dim, tensors.feature_out_offset, B, spec.plan.total_D,
          n_chunks, least),
         dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, BLOCK_D=bd, E_PAD=e_pad, BAGS=st.bags,
              GROUPS=st.backward_groups, POSITIONS=st.positions),
@@ -95,9 +99,9 @@ def backward(spec: TBESpec, k: int, optim_state: tuple, grad_out: torch.Tensor, 
     launch(
         _small_backward_apply_kernel,
         (e_pad, features),
-        (*optim_state, partials, counts, tensors.bucket_features[k], tensors.feature_dim, tensors.feature_rows,
+        (*optim_state, partials, counts, tensors.small_group_features[g], tensors.feature_dim, tensors.feature_rows,
          tensors.feature_weight_offset, tensors.feature_row_offset, offsets, B, n_chunks, least),
-        dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=bucket.block_d,
+        dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits, BLOCK_D=bd, RNG_D=group.block_d,
              E_PAD=e_pad, CHUNKS=st.apply_chunks),
         tile_warps(st.num_warps, st.apply_chunks * bd),
     )
