@@ -56,7 +56,8 @@ def test_knob_table_lookup():
         (("small_table", "backward_groups", 0), "small_table.backward_groups must be >= 1"),
         (("small_table", "forward", 2), "small_table.forward and small_table.backward must be 0 or 1"),
         (("small_table", "num_warps", 8), "small_table.num_warps must be at most 4"),
-        (("small_table", "backward_min_bag", -1), "small_table.backward_min_bag must be >= 0"),
+        (("small_table", "backward_min_bag", -1), "small_table.backward_min_bag and small_table.backward_min_batch"),
+        (("small_table", "backward_min_batch", -2), "small_table.backward_min_bag and small_table.backward_min_batch"),
     ],
 )
 def test_bad_knobs_are_rejected(patch, match, tmp_path):

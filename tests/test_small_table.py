@@ -65,8 +65,11 @@ def test_plan_gives_small_tables_buckets_of_their_own():
                                                                             (16, (1,), (1,))]
     unsplit = dataclasses.replace(plan, small_split=False)
     assert unsplit.buckets == off.buckets and unsplit.small_groups == plan.small_groups
-    for name in ("interpreter", "sm90", "sm100"):
+    # Shipped: on for the H200's backward only (measured there), off elsewhere.
+    for name in ("interpreter", "sm100"):
         assert load_named(name).small_table.max_rows == 0, name
+    sm90 = load_named("sm90").small_table
+    assert (sm90.max_rows, sm90.forward, sm90.backward) == (64, 0, 1) and sm90.backward_min_bag > 0
 
 
 @pytest.mark.parametrize("optimizer,pooling,weighted,weights", [
@@ -212,6 +215,28 @@ def test_backward_min_bag_picks_the_path_per_feature_and_call():
     for t, (a, b) in enumerate(zip(small.split_embedding_weights(), generic.split_embedding_weights())):
         assert_close(a, b, f"table {t}", atol=2e-6, rtol=2e-6)
     assert_close(small.momentum1, generic.momentum1, "row-wise state", atol=1e-5, rtol=1e-5)
+
+
+def test_backward_launches_nothing_where_no_feature_can_take_the_path(monkeypatch):
+    # Host ints decide whether the path launches at all: a batch under backward_min_batch bags, or with
+    # fewer lookups in all than one feature needs, gives every lookup its key and runs no small kernel.
+    monkeypatch.setattr(small_ops, "backward", _refuse_small)
+    g = torch.Generator().manual_seed(9)
+    B = 6
+    ids, offsets = _bags_of(((20, 30),) + ((0, 3),) * (len(FTM) - 1), B, g)
+    for changes in (dict(backward_min_batch=B + 1), dict(backward_min_bag=ids.numel() // B + 1)):
+        cfg = SMALL.replace_small_table(forward=0, **changes)
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=cfg)
+        assert not small_ops.backward_applies(ours.spec, None, B, ids.numel())
+        runs = tr_ops.build_runs(ours.spec, ids, offsets, B)
+        assert not bool((runs.sorted_keys == ours.spec.plan.sentinel_key).any())
+        ours(ids, offsets).backward(torch.randn(B, ours.spec.plan.total_D, generator=g))
+    # ... and where one can (feature 0's bags average 20-30 ids), it does.
+    cfg = SMALL.replace_small_table(forward=0, backward_min_bag=20, backward_min_batch=B)
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", seed=21, kernel_config=cfg)
+    assert small_ops.backward_applies(ours.spec, None, B, ids.numel())
+    with pytest.raises(AssertionError, match="small-table kernels ran"):
+        ours(ids, offsets).backward(torch.randn(B, ours.spec.plan.total_D, generator=g))
 
 
 def test_switching_the_path_on_mid_training_keeps_training():

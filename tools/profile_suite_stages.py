@@ -62,7 +62,7 @@ def main() -> int:
     psw_f = psw.float() if psw is not None else None
     grad = w.grad_output.to(_call(ours, w, 0).dtype)  # what autograd hands the backward
     res["fused_update"] = bench(lambda: bwd_ops.fused_update(spec, state, runs, grad, off, psw_f, B, indices=idx))
-    if small_ops.applies(spec, None, "backward"):
+    if small_ops.backward_applies(spec, None, B, idx.numel()):
         # The small-table path's share of the fused update: each small group's kernels alone.
         res["small_table_update"] = {
             f"group {g} (BLOCK_D {grp.block_d}, {len(grp.tables)} tables)": bench(

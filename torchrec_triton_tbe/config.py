@@ -169,7 +169,8 @@ class SmallTableConfig:
     generic kernels. ``backward_min_bag``: the backward takes a small table's feature only when its
     bags hold at least this many ids on average in the call (0: always); decided per call and feature
     on the device, from the offsets (no sync), by the sort keys' pass and the path's kernels alike, so
-    every lookup goes to exactly one of the two paths."""
+    every lookup goes to exactly one of the two paths. ``backward_min_batch``: backwards of fewer bags
+    per feature keep the generic kernels for every table (a host decision, from B)."""
 
     max_rows: int = 0
     max_dim: int = 128
@@ -181,6 +182,7 @@ class SmallTableConfig:
     forward: int = 1
     backward: int = 1
     backward_min_bag: int = 0
+    backward_min_batch: int = 0
     num_warps: int = 4
 
 
@@ -390,8 +392,9 @@ class KernelConfig:
         if not (pow2(st.positions) and st.positions >= 16) or not pow2(st.apply_chunks):
             problems.append("small_table.positions must be a power of two >= 16 and small_table.apply_chunks a "
                             "power of two")
-        if st.backward_min_bag < 0:
-            problems.append(f"small_table.backward_min_bag must be >= 0 (0: always), got {st.backward_min_bag}")
+        if st.backward_min_bag < 0 or st.backward_min_batch < 0:
+            problems.append(f"small_table.backward_min_bag and small_table.backward_min_batch must be >= 0 (0: "
+                            f"always), got {st.backward_min_bag}, {st.backward_min_batch}")
         if st.forward not in (0, 1) or st.backward not in (0, 1):
             problems.append(f"small_table.forward and small_table.backward must be 0 or 1, got {st.forward}, "
                             f"{st.backward}")

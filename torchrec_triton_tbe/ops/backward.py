@@ -156,7 +156,7 @@ def fused_update(
     small-table buckets' kernels read (ops/small_table.py); needed when the plan has such buckets."""
     if runs.num_lookups == 0 or B == 0:
         return
-    small = small_table.applies(spec, vbe, "backward")
+    small = small_table.backward_applies(spec, vbe, B, runs.num_lookups)
     if small and indices is None:
         raise ValueError("fused_update: this plan has small-table buckets, whose backward reads the ids: pass indices")
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward

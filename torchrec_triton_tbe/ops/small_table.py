@@ -36,6 +36,16 @@ def applies(spec: TBESpec, vbe, pass_: str) -> bool:
             and not spec.fused_bounds_check and (pass_ == "backward" or spec.plan.small_split))
 
 
+def backward_applies(spec: TBESpec, vbe, B: int, num_lookups: int) -> bool:
+    """Whether this backward launches the path at all: ``applies`` it, B is at least
+    small_table.backward_min_batch (below it the path's few bag chunks per feature lost to the generic
+    kernels on the H200: prod_t100_b2k), and the call has enough lookups for one feature to reach
+    ``min_lookups`` (a feature has at most all of them; DLRM's one-id bags never do). Host ints only;
+    the sort keys' pass and the update ask it with the same values."""
+    return (applies(spec, vbe, "backward") and B >= spec.config.small_table.backward_min_batch
+            and num_lookups >= min_lookups(spec, B))
+
+
 def min_lookups(spec: TBESpec, B: int) -> int:
     """The lookups a small-table feature needs in a backward of B bags to take the path (config
     small_table.backward_min_bag per bag); the kernels compare it with the feature's count on the

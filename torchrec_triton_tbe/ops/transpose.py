@@ -90,7 +90,7 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     bags = torch.empty(N, dtype=bag_dtype, device=indices.device)
     if N and B:
         block_bags, step = linearize_tile(cfg.bags_per_program, cfg.lookups_per_step, N, B * plan.num_features)
-        small = small_table.applies(spec, vbe, "backward")
+        small = small_table.backward_applies(spec, vbe, B, N)
         launch(
             _linearize_kernel,
             (cdiv(B, block_bags), plan.num_features),
