@@ -153,12 +153,12 @@ def fused_update(
     indices: Optional[torch.Tensor] = None,
 ) -> None:
     """One optimizer step per unique row touched by the batch. ``indices``: the batch's ids, which the
-    small-table buckets' kernels read (ops/small_table.py); needed when the plan has such buckets."""
+    small-table path's kernels read (ops/small_table.py); needed when this backward takes that path."""
     if runs.num_lookups == 0 or B == 0:
         return
     small = small_table.backward_applies(spec, vbe, B, runs.num_lookups)
     if small and indices is None:
-        raise ValueError("fused_update: this plan has small-table buckets, whose backward reads the ids: pass indices")
+        raise ValueError("fused_update: this backward takes the small-table path, which reads the ids: pass indices")
     plan, tensors, bcfg = spec.plan, spec.tensors, spec.config.backward
     device = grad_out.device
     weighted = per_sample_weights is not None

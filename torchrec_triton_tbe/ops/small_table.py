@@ -2,12 +2,12 @@
 
 Which tables: tables of at most ``small_table.max_rows`` rows and ``max_dim`` columns, each read by one
 feature, are the plan's small groups (plan.py; buckets of their own only where the forward takes the
-path). Which calls: fixed-batch pooled ones without
-the fused bounds check, in the passes ``small_table.forward`` / ``.backward`` name (``applies``); any
-other call or pass runs those tables through the generic kernels, which handle every bucket. The
-choice is made from the spec and the call's host-side facts only (the backward's per-feature choice,
-backward_min_bag, on the device): no
-device sync, so captured backwards (ops/graphs.py) replay it as they replay the rest.
+path). Which calls: fixed-batch pooled ones without the fused bounds check, in the passes
+``small_table.forward`` / ``.backward`` name (``applies``, and for the backward ``backward_applies``);
+any other call or pass runs those tables through the generic kernels, which handle every bucket. These
+choices use the spec and the call's host ints only; the backward's per-feature choice
+(``backward_min_bag``) is made on the device from the offsets. No device sync either way, so captured
+backwards (ops/graphs.py) replay it as they replay the rest.
 """
 
 from __future__ import annotations
