@@ -196,10 +196,7 @@ def _refuse_unknown(d: Mapping[str, Any], known: set, what: str, where: str) -> 
 
 
 def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
-    known = {f.name for f in dataclasses.fields(SmallTableConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"invalid kernel config {where}: unknown small_table keys {unknown} (known: {sorted(known)})")
+    _refuse_unknown(d, {f.name for f in dataclasses.fields(SmallTableConfig)}, "small_table ", where)
     return SmallTableConfig(**{k: int(v) for k, v in d.items()})
 
 
@@ -213,9 +210,7 @@ class PrecompileConfig:
 
 
 def _precompile(d: Mapping[str, Any], where: str) -> PrecompileConfig:
-    unknown = sorted(set(d) - {"compile_first"})
-    if unknown:
-        raise ValueError(f"invalid kernel config {where}: unknown precompile keys {unknown} (known: ['compile_first'])")
+    _refuse_unknown(d, {"compile_first"}, "precompile ", where)
     first = d.get("compile_first") or []
     if not isinstance(first, (list, tuple)) or not all(isinstance(n, str) for n in first):
         raise ValueError(f"invalid kernel config {where}: precompile.compile_first must be a list of kernel names")
