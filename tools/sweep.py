@@ -5,7 +5,7 @@
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
 the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D;
-fp16 weights, so bag_lanes_fp32 is set by hand from fp32 runs) and
+with --weights fp32 the lanes go to bag_lanes_fp32, the table fp32 weights read) and
 the fused update of the backward over the backward grid (tile x num_warps x programs_per_sm x waves), and
 (part ``route``) run metadata + fused update over the short/long threshold, the long chunk and the
 long-path schedule (split / fused), and (part ``meta``) the run metadata alone (linearize, sort and the
@@ -132,11 +132,15 @@ def main() -> None:
         grad = torch.randn(B, T * D, device=dev)
         if "fwd" in parts:
             for bags, gather, warps, lanes in itertools.product(*FWD_GRID.values()):
+                # fp32 weights read forward.bag_lanes_fp32 (when the config has one), fp16 weights bag_lanes.
+                lane_tables = {"bag_lanes_fp32": with_table(base.forward.bag_lanes_fp32 or base.forward.bag_lanes,
+                                                            bd, lanes)} \
+                    if args.weights == "fp32" else {"bag_lanes": with_table(base.forward.bag_lanes, bd, lanes)}
                 cfg = base.replace_forward(
                     bags_per_program=bags,
                     gather=with_table(base.forward.gather, bd, gather),
                     num_warps=with_table(base.forward.num_warps, bd, warps),
-                    bag_lanes=with_table(base.forward.bag_lanes, bd, lanes),
+                    **lane_tables,
                 )
                 m.set_kernel_config(cfg)
                 try:
