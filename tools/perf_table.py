@@ -102,7 +102,11 @@ def main(path: str) -> None:
         cells = [s["name"], f"{s['lookups'] / 1e6:.2f}M"]
         pcells = [s["name"]]
         for p in PASSES:
-            x = r[p]
+            x = r.get(p)
+            if x is None:  # a run of fewer passes (--passes fwd): dashes, and no ratio for the geo-means
+                cells += ["—"] * (3 + (p == "fwd") + 2 * (p == "bwd_exact_rowwise_adagrad"))
+                pcells += ["—", "—"] * len(others)
+                continue
             for peer in others:
                 pcells += peer_cells(x, peer)
                 if f"speedup_{peer}" in x:
@@ -119,11 +123,10 @@ def main(path: str) -> None:
                 worst = (sp, f"{s['name']} {p}")
         rows.append(cells)
         peer_rows.append(pcells)
-    g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     fb = env["versions"]["fbgemm_gpu"]["version"]
     date = env["date"][:10]
-    print(f"H200 vs FBGEMM {fb}: forward geo-mean {g(fwd):.2f}×, backward (row-wise Adagrad) geo-mean "
-          f"{g(bwd):.2f}×, worst shape {worst[0]:.2f}× ({date}, {env['git_commit']})")
+    print(f"H200 vs FBGEMM {fb}: forward geo-mean {geo(fwd)}, backward (row-wise Adagrad) geo-mean "
+          f"{geo(bwd)}, worst shape {worst[0]:.2f}× ({date}, {env['git_commit']})")
     print()
     print(f"worst: {worst[1]}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     print()
