@@ -1,7 +1,7 @@
 """Sweep the kernel knobs of configs/<target>.yaml on the GPU and report (optionally write) the best.
 
-    python tools/sweep.py --target sm90 [--part fwd,bwd,route,meta] [--shapes uniform,zipf] [--write] [--json out.json]
-        [--grid KNOB=V1,V2 ...]
+    python tools/sweep.py --target sm90 [--part fwd,bwd,route,meta] [--shapes uniform,zipf] [--write]
+        [--weights fp16|fp32] [--optimizer rowwise|sgd] [--json out.json] [--grid KNOB=V1,V2 ...]
 
 For each shape (FBGEMM's request generator, fp16 weights, fp32 output, SUM, bounds check off) it times
 the forward over the forward grid (bags_per_program x gather x num_warps x bag_lanes at that shape's BLOCK_D;
@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="uniform,zipf")
     ap.add_argument("--weights", default="fp16", choices=["fp16", "fp32"],
                     help="weights precision (the tile/warps tables are per BLOCK_D: --write only with fp16)")
+    ap.add_argument("--optimizer", default="rowwise", choices=["rowwise", "sgd"],
+                    help="the module's optimizer (the backward's fused update; --write only with rowwise)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--grid", nargs="*", default=[], metavar="KNOB=V1,V2",
@@ -104,6 +106,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.write and args.weights != "fp16":
         ap.error("--write tunes the fp16 tables; sweep fp32 weights without it")
+    if args.write and args.optimizer != "rowwise":
+        ap.error("--write tunes with row-wise Adagrad (the tables are per BLOCK_D, not per optimizer)")
     for item in args.grid:
         knob, _, values = item.partition("=")
         grids = [g for g in (FWD_GRID, BWD_GRID, ROUTE_GRID, META_GRID) if knob in g]
@@ -123,7 +127,8 @@ def main() -> None:
         B, T, E, D, L = s["B"], s["T"], s["E"], s["D"], s["L"]
         bd = triton.next_power_of_2(D)
         # Stochastic rounding off, as in the suite (FBGEMM's benchmark default, --stoc to enable).
-        m = TritonTBE([(E, D)] * T, device=dev, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.optimizer == "rowwise" else EmbOptimType.EXACT_SGD
+        m = TritonTBE([(E, D)] * T, device=dev, optimizer=opt,
                       weights_precision=SparseType.FP16 if args.weights == "fp16" else SparseType.FP32,
                       bounds_check_mode=BoundsCheckMode.NONE, kernel_config=base,
                       stochastic_rounding=False)
