@@ -180,7 +180,6 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
             BOUNDS_MODE=mode,
-            ACC_FP64=spec.weights_dtype == torch.float32,
             EVEN_D=len(ks) == 1 and spec.bucket_even_d[ks[0]],
             ALIGN=align,
             BLOCK_D=bd,
