@@ -196,14 +196,15 @@ def test_bucket_streams_only_fork_large_cuda_forwards():
     assert bucket_streams(streams, 7, 999, torch.device("cuda")) == []  # below the threshold
 
 
-def test_small_batch_knobs_apply_at_small_batches_with_narrow_weights():
+def test_small_batch_knobs_apply_at_small_batches_for_every_weight_width():
     cfg = dataclasses.replace(INTERPRETER.forward, small_batch=8, bags_per_program_small=1,
                               gather_small=KnobTable(16, ((64, 8),)), bag_lanes_small=KnobTable(4))
     assert cfg.knobs(64, 2, 8) == (1, 4, 8)
     assert cfg.knobs(32, 2, 8) == (1, 4, 16)
     regular = (cfg.bags_per_program, cfg.lanes(64, 2), cfg.gather.get(64))
     assert cfg.knobs(64, 2, 9) == regular  # above small_batch
-    assert cfg.knobs(64, 4, 8) == (cfg.bags_per_program, cfg.lanes(64, 4), cfg.gather.get(64))  # fp32 rows
+    assert cfg.knobs(64, 4, 8) == (1, 4, 8)  # fp32 rows too
+    assert cfg.knobs(64, 4, 9) == (cfg.bags_per_program, cfg.lanes(64, 4), cfg.gather.get(64))
     assert dataclasses.replace(cfg, small_batch=0).knobs(64, 2, 1) == regular
 
 

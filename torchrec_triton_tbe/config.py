@@ -63,8 +63,7 @@ class ForwardConfig:
     num_warps: KnobTable
     bag_lanes: KnobTable = KnobTable(1)  # bags pooled side by side (by BLOCK_D); 1: one bag at a time
     # The same for fp32 weights, whose rows are twice as wide as fp16/bf16 rows of that BLOCK_D (None:
-    # bag_lanes). On the H200 two lanes at BLOCK_D=128 were 1.4x faster with fp16 weights and 1.4x
-    # slower with fp32 ones (docs/performance.md).
+    # bag_lanes). Measured alike on the H200 once fp32 rows were summed in fp32 (docs/performance.md).
     bag_lanes_fp32: Optional[KnobTable] = None
     # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
     sequence_block: int = 16
@@ -76,8 +75,9 @@ class ForwardConfig:
     # cost a few host microseconds per side stream, which launch-bound forwards cannot spare.
     bucket_streams: int = 1
     bucket_streams_min_lookups: int = 0
-    # Batches of at most small_batch bags per feature (0: none) with 2-byte weights take the *_small
-    # knobs. The tables above were tuned at B = 65,536, where every SM is full of programs and a few
+    # Batches of at most small_batch bags per feature (0: none) take the *_small knobs, fp32 weights
+    # too (until 2026-12-02 only 2-byte ones: fp32 rows at B = 2,048 then ran the B = 65,536 knobs, and
+    # prod_t100_b2k's fp32 forward took 2.2x FBGEMM's time). The tables above were tuned at B = 65,536, where every SM is full of programs and a few
     # rows in flight per program suffice; at B = 2,048 a launch holds too few programs to cover the
     # latency of its dependent id -> row loads that way, and one bag group per program with more rows
     # per step ran the launches of a 100-table shape in half the time (tools/forward_buckets.py).
@@ -100,7 +100,7 @@ class ForwardConfig:
     def knobs(self, block_d: int, weight_bytes: int, batch: int) -> tuple[int, int, int]:
         """(bags_per_program, bag_lanes, gather) of a pooled launch at this BLOCK_D, weight width and
         batch size (bags per feature: a host int)."""
-        if batch <= self.small_batch and weight_bytes <= 2:
+        if batch <= self.small_batch:
             return (self.bags_per_program_small, (self.bag_lanes_small or self.bag_lanes).get(block_d),
                     (self.gather_small or self.gather).get(block_d))
         return self.bags_per_program, self.lanes(block_d, weight_bytes), self.gather.get(block_d)
