@@ -4,6 +4,7 @@ smoke suite under Triton's interpreter (times there are meaningless; the structu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -219,6 +220,11 @@ def test_suites_have_the_required_shapes():
     # The small-table path's tables (the production write-up's: at most 64 rows, D 64-128, 64+ ids a bag).
     assert any(e <= 64 and 64 <= d <= 128 and L >= 64 for c in prod
                for e, d, L in zip(c.num_embeddings_list, c.embedding_dim_list, c.bag_size_list))
+    # TorchRec's default fp32 tables on the production shapes (the same tables as their fp16 twins).
+    for name in ("prod_t40_b16k", "prod_t100_b2k"):
+        fp32, fp16 = by_name[name + "_fp32"].case, by_name[name].case
+        assert (fp32.weights_precision, fp16.weights_precision) == ("fp32", "fp16")
+        assert dataclasses.replace(fp32, name=fp16.name, weights_precision="fp16") == fp16
     dlrm = by_name["dlrm_t26_l1"].case
     assert dlrm.num_tables == 26 and dlrm.bag_size == 1
     for s in shapes:
