@@ -24,6 +24,9 @@
 #               suite's shapes that fit two modules with Adam-sized state (OPT_SHAPES)
 #   streams     the pooled forward with its D-bucket launches spread over STREAMS_LIST streams (variant
 #               configs of configs/sm90.yaml), on the multi-bucket STREAM_SHAPES, then the GPU stream test
+#   streams-procs  the pooled forward with STREAMS_LIST bucket streams (default 1 4), PROCS fresh processes per
+#               setting (default 5), interleaved, on STREAM_PROC_SHAPES; tools/perf_spread.py prints each
+#               setting's min / median / max (the streams' time differs per process: docs/performance.md)
 #   tile-opt    element-wise-state optimizers with the fp16 tile table instead of the fp32 one (the
 #               default for rows carrying 4+ bytes per element), on two shapes
 #   sanitizer   tests/gpu/test_gpu_sanitizer.py: tools/sanitize_cases.py under compute-sanitizer's memcheck,
@@ -123,6 +126,20 @@ for step in "$@"; do
         --passes bwd --only "$OPT_SHAPES" --optimizer "$OPTIMIZERS" $SUITE_EXTRA --json "$js" > "$log" 2>&1; echo "rc=$?"
       grep -i "check\|error\|fail" "$log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -5
       python tools/perf_table.py "$js" | tail -30 ;;
+    streams-procs)
+      for n in ${STREAMS_LIST:-1 4}; do
+        python tools/config_variants.py --prefix /tmp/sp_ "st$n=forward.bucket_streams:$n" > /dev/null || continue 2
+      done
+      for i in $(seq "${PROCS:-5}"); do
+        for n in ${STREAMS_LIST:-1 4}; do
+          timeout 150 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters "${ITERS:-20}" \
+            --passes fwd --optimizer exact_sgd \
+            --only "${STREAM_PROC_SHAPES:-prod_t40_b16k,prod_t40_b16k_fp32,mixed_d32_256_b8k,prod_t40_b64k}" \
+            --kernel-config /tmp/sp_st$n.yaml --json "$OUT/streams_procs_st${n}_$i.json" \
+            > "$OUT/streams_procs_st${n}_$i.log" 2>&1 || echo "st$n run $i: rc=$?"
+        done
+      done
+      python tools/perf_spread.py "$OUT"/streams_procs_st*_*.json ;;
     tile-opt)
       python - <<'PY'
 import yaml

@@ -1,0 +1,55 @@
+"""The spread of bench results over runs of one setting in separate processes.
+
+    python tools/perf_spread.py out/streams_procs_st1_1.json out/streams_procs_st1_2.json ... out/streams_procs_st4_5.json
+
+Files are grouped by their name without the trailing ``_<run>.json`` (``streams_procs_st1``,
+``streams_procs_st4``); for each group, shape and pass it prints how many runs there were and the min /
+median / max of our median ms and of FBGEMM's. Made for settings whose time differs per process (the
+pooled forward's bucket streams, docs/performance.md "fp32 weights"), where one run per setting
+decides nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def group_name(path: str) -> str:
+    return re.sub(r"_\d+$", "", Path(path).stem)
+
+
+def spread(paths: list[str]) -> dict:
+    """{(group, shape, pass): {"triton": [ms...], "fbgemm": [ms...]}} over the files' shapes."""
+    out: dict = defaultdict(lambda: {"triton": [], "fbgemm": []})
+    for path in paths:
+        with open(path) as fh:
+            d = json.load(fh)
+        for s in d["shapes"]:
+            for p, x in s.get("results", {}).items():
+                for who in ("triton", "fbgemm"):
+                    if who in x and "median_ms" in x[who]:
+                        out[(group_name(path), s["name"], p)][who].append(x[who]["median_ms"])
+    return out
+
+
+def fmt(v: list) -> str:
+    return f"{min(v):.3f} / {statistics.median(v):.3f} / {max(v):.3f}" if v else "—"
+
+
+def main(paths: list[str]) -> None:
+    rows = spread(paths)
+    print("| setting | shape | pass | runs | ours ms min / median / max | FBGEMM ms min / median / max |")
+    print("|---|---|---|---|---|---|")
+    for (group, shape, p), v in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        print(f"| {group} | {shape} | {p} | {len(v['triton'])} | {fmt(v['triton'])} | {fmt(v['fbgemm'])} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
