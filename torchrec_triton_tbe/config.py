@@ -63,7 +63,8 @@ class ForwardConfig:
     num_warps: KnobTable
     bag_lanes: KnobTable = KnobTable(1)  # bags pooled side by side (by BLOCK_D); 1: one bag at a time
     # The same for fp32 weights, whose rows are twice as wide as fp16/bf16 rows of that BLOCK_D (None:
-    # bag_lanes). Measured alike on the H200 once fp32 rows were summed in fp32 (docs/performance.md).
+    # bag_lanes). configs/sm90.yaml has none since fp32 rows are summed in fp32 (docs/performance.md,
+    # "fp32 weights": one lane at 128 won 1 % on one shape and lost 1.6x with one id per bag).
     bag_lanes_fp32: Optional[KnobTable] = None
     # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
     sequence_block: int = 16
@@ -77,10 +78,11 @@ class ForwardConfig:
     bucket_streams_min_lookups: int = 0
     # Batches of at most small_batch bags per feature (0: none) take the *_small knobs, fp32 weights
     # too (until 2026-12-02 only 2-byte ones: fp32 rows at B = 2,048 then ran the B = 65,536 knobs, and
-    # prod_t100_b2k's fp32 forward took 2.2x FBGEMM's time). The tables above were tuned at B = 65,536, where every SM is full of programs and a few
-    # rows in flight per program suffice; at B = 2,048 a launch holds too few programs to cover the
-    # latency of its dependent id -> row loads that way, and one bag group per program with more rows
-    # per step ran the launches of a 100-table shape in half the time (tools/forward_buckets.py).
+    # prod_t100_b2k's fp32 forward took 2.2x FBGEMM's time). The tables above were tuned at
+    # B = 65,536, where every SM is full of programs and a few rows in flight per program suffice; at
+    # B = 2,048 a launch holds too few programs to cover the latency of its dependent id -> row loads
+    # that way, and one bag group per program with more rows per step ran the launches of a 100-table
+    # shape in half the time (tools/forward_buckets.py).
     small_batch: int = 0
     bags_per_program_small: int = 1
     gather_small: Optional[KnobTable] = None  # None: gather
