@@ -90,6 +90,15 @@ def with_table(table: KnobTable, block_d: int, value: int) -> KnobTable:
     return KnobTable(table.default, tuple(sorted(d.items())))
 
 
+def for_weights(section, name: str, weights: str, block_d: int, value: int) -> dict:
+    """{knob: table} setting ``name`` at ``block_d`` in the table these weights read: ``<name>_fp32``
+    for fp32 weights (starting from the fp16 table where the config has no fp32 one), else ``name``."""
+    table = getattr(section, name)
+    if weights == "fp32":
+        return {name + "_fp32": with_table(getattr(section, name + "_fp32") or table, block_d, value)}
+    return {name: with_table(table, block_d, value)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="sm90")
@@ -137,15 +146,11 @@ def main() -> None:
         grad = torch.randn(B, T * D, device=dev)
         if "fwd" in parts:
             for bags, gather, warps, lanes in itertools.product(*FWD_GRID.values()):
-                # fp32 weights read forward.bag_lanes_fp32 (when the config has one), fp16 weights bag_lanes.
-                lane_tables = {"bag_lanes_fp32": with_table(base.forward.bag_lanes_fp32 or base.forward.bag_lanes,
-                                                            bd, lanes)} \
-                    if args.weights == "fp32" else {"bag_lanes": with_table(base.forward.bag_lanes, bd, lanes)}
                 cfg = base.replace_forward(
                     bags_per_program=bags,
                     gather=with_table(base.forward.gather, bd, gather),
                     num_warps=with_table(base.forward.num_warps, bd, warps),
-                    **lane_tables,
+                    **for_weights(base.forward, "bag_lanes", args.weights, bd, lanes),
                 )
                 m.set_kernel_config(cfg)
                 try:
@@ -161,11 +166,8 @@ def main() -> None:
         if "bwd" in parts:
             state = m.optimizer_tensors()
             for tile, warps, pps, waves in itertools.product(*BWD_GRID.values()):
-                # fp32 weights read backward.tile_fp32 (when the config has one), fp16 weights backward.tile.
-                tiles = {"tile_fp32": with_table(base.backward.tile_fp32 or base.backward.tile, bd, tile)} \
-                    if args.weights == "fp32" else {"tile": with_table(base.backward.tile, bd, tile)}
                 cfg = base.replace_backward(
-                    **tiles,
+                    **for_weights(base.backward, "tile", args.weights, bd, tile),
                     num_warps=with_table(base.backward.num_warps, bd, warps),
                     programs_per_sm=pps,
                     waves=waves,
