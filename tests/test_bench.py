@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -255,6 +256,17 @@ def test_time_steps_walks_batches_and_excludes_warmup():
                      ("setup", 0), ("timed", 0), ("setup", 1), ("timed", 1), ("setup", 2), ("timed", 2)]
     assert (t.iters, t.warmup, t.meaningful) == (3, 2, False)
     assert t.p20_ms <= t.median_ms <= t.p80_ms
+
+
+def test_time_steps_reports_host_issue_time():
+    # The setup half (the backward's forward) stays out of the host time as it stays out of the timing.
+    def step(i):
+        time.sleep(0.02)
+        return lambda: time.sleep(0.002)
+
+    t = time_steps(step, iters=3, warmup=0, device=torch.device("cpu"))
+    assert 2.0 <= t.host_median_ms < 20.0
+    assert t.as_dict()["host_median_ms"] == t.host_median_ms
 
 
 # ------------------------------------------------------------------------------------------ CLI end to end

@@ -24,8 +24,11 @@
 #               suite's shapes that fit two modules with Adam-sized state (OPT_SHAPES)
 #   streams     the pooled forward with its D-bucket launches spread over STREAMS_LIST streams (variant
 #               configs of configs/sm90.yaml), on the multi-bucket STREAM_SHAPES, then the GPU stream test
-#   streams-procs  the pooled forward with STREAMS_LIST bucket streams (default 1 4), PROCS fresh processes per
-#               setting (default 5), interleaved, on STREAM_PROC_SHAPES; tools/perf_spread.py prints each
+#   host-suite  tools/host_profile.py --suite-shape on HOST_SHAPES (shape or shape:batch; default
+#               prod_t40_b16k:8192 prod_t100_b2k): host issue vs event time, ours and FBGEMM's, cProfile
+#   streams-procs  the pooled forward with STREAMS_LIST bucket streams (default 1 4; N@C: with
+#               CUDA_DEVICE_MAX_CONNECTIONS=C), PROCS fresh processes per setting (default 5), interleaved, on
+#               STREAM_PROC_SHAPES (bench options STREAM_PROC_ARGS); tools/perf_spread.py prints each
 #               setting's min / median / max (the streams' time differs per process: docs/performance.md)
 #   tile-opt    element-wise-state optimizers with the fp16 tile table instead of the fp32 one (the
 #               default for rows carrying 4+ bytes per element), on two shapes
@@ -68,6 +71,13 @@ for step in "$@"; do
       for o in rowwise sgd; do
         (cd tools && timeout 150 python host_profile.py --shape default --optimizer $o --json "$OUT/host_default_$o.json" \
           2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -7)
+      done ;;
+    host-suite)
+      # HOST_SHAPES entries: a suite shape, or shape:batch
+      for sb in ${HOST_SHAPES:-prod_t40_b16k:8192 prod_t100_b2k}; do
+        s=${sb%:*}; b=""; [ "$sb" != "$s" ] && b=${sb#*:}
+        (cd tools && timeout 200 python host_profile.py --suite-shape "$s" ${b:+--batch-size $b} --optimizer rowwise \
+          --json "$OUT/host_$s${b:+_$b}.json" 2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -12)
       done ;;
     demo) timeout 300 python tools/demo_profile.py --steps 20 --json "$OUT/demo_profile.json" 2>&1 | quiet | tail -8 ;;
     demo-prod)
@@ -127,16 +137,20 @@ for step in "$@"; do
       grep -i "check\|error\|fail" "$log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -5
       python tools/perf_table.py "$js" | tail -30 ;;
     streams-procs)
-      for n in ${STREAMS_LIST:-1 4}; do
-        python tools/config_variants.py --prefix /tmp/sp_ "st$n=forward.bucket_streams:$n" > /dev/null || continue 2
+      # STREAMS_LIST entries: N (bucket streams), or N@C to run that setting with
+      # CUDA_DEVICE_MAX_CONNECTIONS=C (the hardware queues CUDA maps streams onto; 8 by default).
+      for sc in ${STREAMS_LIST:-1 4}; do
+        python tools/config_variants.py --prefix /tmp/sp_ "st${sc%@*}=forward.bucket_streams:${sc%@*}" > /dev/null || continue 2
       done
       for i in $(seq "${PROCS:-5}"); do
-        for n in ${STREAMS_LIST:-1 4}; do
-          timeout 150 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters "${ITERS:-20}" \
-            --passes fwd --optimizer exact_sgd \
+        for sc in ${STREAMS_LIST:-1 4}; do
+          n=${sc%@*}; tag=st$n; conn=""
+          [ "$sc" != "$n" ] && conn=${sc#*@} && tag=st${n}c$conn
+          env ${conn:+CUDA_DEVICE_MAX_CONNECTIONS=$conn} timeout 150 python -m torchrec_triton_tbe.bench.cli --suite h200 \
+            --compare fbgemm --iters "${ITERS:-20}" --passes fwd --optimizer exact_sgd \
             --only "${STREAM_PROC_SHAPES:-prod_t40_b16k,prod_t40_b16k_fp32,mixed_d32_256_b8k,prod_t40_b64k}" \
-            --kernel-config /tmp/sp_st$n.yaml --json "$OUT/streams_procs_st${n}_$i.json" \
-            > "$OUT/streams_procs_st${n}_$i.log" 2>&1 || echo "st$n run $i: rc=$?"
+            ${STREAM_PROC_ARGS:-} --kernel-config /tmp/sp_st$n.yaml --json "$OUT/streams_procs_${tag}_$i.json" \
+            > "$OUT/streams_procs_${tag}_$i.log" 2>&1 || echo "$tag run $i: rc=$?"
         done
       done
       python tools/perf_spread.py "$OUT"/streams_procs_st*_*.json ;;

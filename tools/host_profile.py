@@ -1,6 +1,10 @@
 """Where the host time of a forward / backward goes on launch-bound shapes (FBGEMM's default shape).
 
     python tools/host_profile.py [--shape default] [--optimizer rowwise] [--json out.json]
+    python tools/host_profile.py --suite-shape prod_t40_b16k --batch-size 8192 [--kernel-config F]
+
+``--suite-shape`` takes a shape of configs/suites/h200.yaml instead (the bench's batches and modules:
+per-table rows, dims and bag sizes), at its batch or ``--batch-size``.
 
 On a shape whose GPU work is shorter than the time the host needs to issue it, an event-timed
 backward measures the host: the GPU idles between launches. This prints, for ours and FBGEMM's TBE on
@@ -68,19 +72,46 @@ def gpu_kernels(fn, prep=None):
     return rows, cpu_ops
 
 
+def _suite_options(ap) -> None:
+    ap.add_argument("--suite-shape", help="a shape of --suite instead of --shape")
+    ap.add_argument("--suite", default="h200", help="with --suite-shape: a suite of configs/suites/")
+    ap.add_argument("--batch-size", type=int, help="with --suite-shape: this batch instead of the shape's")
+    ap.add_argument("--kernel-config", help="with --suite-shape: our kernel config (YAML path)")
+
+
+def suite_case(args, dev) -> tuple:
+    """(modules, description, ids, offsets, gradient) of a suite shape, as bench.cli builds them."""
+    from torchrec_triton_tbe.bench.batches import make_workload
+    from torchrec_triton_tbe.bench.case import load_suite
+    from torchrec_triton_tbe.bench.runner import RunOptions, build_modules
+
+    overrides = {} if args.batch_size is None else {"batch_size": args.batch_size}
+    shapes = {s.case.name: s.case for s in load_suite(args.suite, overrides)[1]}
+    case = shapes[args.suite_shape]
+    w = make_workload(case, dev)
+    opt = "exact_rowwise_adagrad" if args.optimizer == "rowwise" else "exact_sgd"
+    modules = build_modules(w, opt, RunOptions(dev, compare=("fbgemm",), kernel_config=args.kernel_config))
+    r = w.requests[0]
+    desc = {"suite_shape": case.name, "B": case.batch_size, "T": case.num_tables, "Ds": list(w.Ds)}
+    return dict(modules), desc, r.indices, r.offsets, w.grad_output
+
+
 def main():
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    args, s, kw, idx, off, grad = profile_case("default", __doc__)
-    B, T, E, D = s["B"], s["T"], s["E"], s["D"]
+    args, s, kw, idx, off, grad = profile_case("default", __doc__, _suite_options)
     dev = torch.device("cuda")
-    modules = {
-        "triton": TritonTBE([(E, D)] * T, device=dev, **kw),
-        "fbgemm": SplitTableBatchedEmbeddingBagsCodegen(
-            [(E, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T, **kw
-        ),
-    }
-    res = {"shape": args.shape, **s, "optimizer": args.optimizer, "lookups": idx.numel()}
+    if args.suite_shape:
+        modules, s, idx, off, grad = suite_case(args, dev)
+    else:
+        T, E, D = s["T"], s["E"], s["D"]
+        modules = {
+            "triton": TritonTBE([(E, D)] * T, device=dev, **kw),
+            "fbgemm": SplitTableBatchedEmbeddingBagsCodegen(
+                [(E, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T, **kw
+            ),
+        }
+    res = {"shape": args.suite_shape or args.shape, **s, "optimizer": args.optimizer, "lookups": idx.numel()}
     for name, m in modules.items():
         holder = {}
 
@@ -107,28 +138,38 @@ def main():
         }
         print(f"{name}: fwd host {fh:.3f} event {fe:.3f} gpu {res[name]['fwd_gpu_ms']:.3f} ms ({len(fk)} kernels); "
               f"bwd host {bh:.3f} event {be:.3f} gpu {res[name]['bwd_gpu_ms']:.3f} ms ({len(bk)} kernels)")
+        print("  fwd kernels: " + "; ".join(f"{k} x{c} {t * 1e3:.0f}us" for k, c, t in fk[:10]))
+        print("  fwd cpu ops: " + "; ".join(f"{k} x{c} {t * 1e3:.0f}us" for k, c, t in fcpu[:10]))
         print("  bwd kernels: " + "; ".join(f"{k} x{c} {t * 1e3:.0f}us" for k, c, t in bk[:14]))
         print("  bwd cpu ops: " + "; ".join(f"{k} x{c} {t * 1e3:.0f}us" for k, c, t in bcpu[:14]))
 
     m = modules["triton"]
-    prof = cProfile.Profile()
     for _ in range(3):
         out = m(idx, off)
         out.backward(grad)
     torch.cuda.synchronize()
-    prof.enable()
-    for _ in range(50):
-        out = m(idx, off)
-        out.backward(grad)
-    prof.disable()
-    torch.cuda.synchronize()
-    for key in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
-        text = buf.getvalue()
-        res[f"cprofile_{key}"] = text
-        print(f"== cProfile by {key} (50 fwd+bwd)")
-        print("\n".join(line[:150] for line in text.splitlines()[6:40]))
+
+    def forwards():
+        for _ in range(50):
+            m(idx, off)
+
+    def steps():
+        for _ in range(50):
+            m(idx, off).backward(grad)
+
+    for label, fn in (("fwd", forwards), ("fwd+bwd", steps)):
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(28)
+            text = buf.getvalue()
+            res[f"cprofile_{label}_{key}"] = text
+            print(f"== cProfile by {key} (50 {label})")
+            print("\n".join(line[:150] for line in text.splitlines()[6:30]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -75,6 +75,30 @@ def optimizer_table(d: dict) -> None:
         f"{g([r for r, _ in ratios[k]]):.2f}× ({min(ratios[k])[0]:.2f}× {min(ratios[k])[1]})" for k in keys) + " |")
 
 
+def host_table(d: dict, passes: tuple) -> None:
+    """Host issue time per call (bench/timing.py host_median_ms) beside the event time, ours and FBGEMM's:
+    where the two come close the pass is host-bound. Absent from JSONs written before the field."""
+    if not any("host_median_ms" in x.get("triton", {}) for s in d["shapes"] for x in s["results"].values()):
+        return
+    names = {"fwd": "fwd", "bwd_exact_sgd": "bwd SGD", "bwd_exact_rowwise_adagrad": "bwd RWA"}
+    print()
+    print("Host issue time / event time per call, ms (ours; FBGEMM):")
+    print()
+    print("| shape | " + " | ".join(names[p] for p in passes) + " |")
+    print("|" + "---|" * (1 + len(passes)))
+    for s in d["shapes"]:
+        cells = [s["name"]]
+        for p in passes:
+            x = s["results"].get(p)
+            if x is None or "host_median_ms" not in x.get("triton", {}):
+                cells.append("—")
+                continue
+            cell = "; ".join(f"{x[k]['host_median_ms']:.3f} / {x[k]['median_ms']:.3f}" for k in ("triton", "fbgemm")
+                             if "host_median_ms" in x.get(k, {}))
+            cells.append(cell)
+        print("| " + " | ".join(cells) + " |")
+
+
 def main(path: str) -> None:
     d = json.load(open(path))
     failed = [s for s in d["shapes"] if "results" not in s]
@@ -135,6 +159,7 @@ def main(path: str) -> None:
     print("|" + "---|" * 14)
     for c in rows:
         print("| " + " | ".join(c[:6] + c[6:9] + c[9:]) + " |")
+    host_table(d, PASSES)
     if not others:
         return
     # Each other contender: its ms and its median / ours per pass (> 1: ours faster), geo-mean over the

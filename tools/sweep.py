@@ -49,13 +49,15 @@ SHAPES = {
 }
 
 
-def profile_case(default_shape: str, doc: str) -> tuple:
-    """The command line of the profile tools (--shape, --optimizer, --json) and their shape_case:
-    (args, dims, TBE keyword arguments, ids, offsets, gradient)."""
+def profile_case(default_shape: str, doc: str, extend=None) -> tuple:
+    """The command line of the profile tools (--shape, --optimizer, --json; ``extend(parser)`` adds a
+    tool's own) and their shape_case: (args, dims, TBE keyword arguments, ids, offsets, gradient)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default=default_shape, choices=sorted(SHAPES))
     ap.add_argument("--optimizer", default="rowwise", choices=["sgd", "rowwise"])
     ap.add_argument("--json")
+    if extend is not None:
+        extend(ap)
     args = ap.parse_args()
     logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
     return (args, *shape_case(args.shape, args.optimizer))

@@ -8,6 +8,10 @@ with do_bench's statistics instead of FBGEMM's default mean (the mean is kept in
 
 On CPU (Triton's interpreter) the same loop runs with wall-clock time; those numbers measure the
 interpreter, not kernels, and every record says so (``meaningful: false``).
+
+``host_median_ms``: the median wall-clock time the host spent issuing one timed call (between its two
+event records, no sync inside). Where it comes near ``median_ms`` the call is host-bound: the GPU waits
+for launches, and a faster kernel would not show.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Timing:
     iters: int
     warmup: int
     method: str
+    host_median_ms: Optional[float] = None
 
     @property
     def meaningful(self) -> bool:
@@ -44,10 +49,11 @@ class Timing:
         return {**dataclasses.asdict(self), "meaningful": self.meaningful}
 
 
-def _quantiles(times_ms: list[float], warmup: int, iters: int, method: str) -> Timing:
+def _quantiles(times_ms: list[float], warmup: int, iters: int, method: str, host_ms: list[float]) -> Timing:
     t = torch.tensor(times_ms, dtype=torch.float64)
     q = torch.quantile(t, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).tolist()
-    return Timing(q[0], q[1], q[2], float(t.mean()), iters, warmup, method)
+    host = float(torch.tensor(host_ms, dtype=torch.float64).median())
+    return Timing(q[0], q[1], q[2], float(t.mean()), iters, warmup, method, host)
 
 
 def time_steps(step: Step, iters: int, warmup: int, device: torch.device, flush_gpu_cache_size_mb: int = 0) -> Timing:
@@ -66,23 +72,26 @@ def time_steps(step: Step, iters: int, warmup: int, device: torch.device, flush_
             start = time.perf_counter()
             timed()
             times.append((time.perf_counter() - start) * 1e3)
-        return _quantiles(times, warmup, iters, TIMED_BY_WALL_CLOCK)
+        return _quantiles(times, warmup, iters, TIMED_BY_WALL_CLOCK, times)
 
     torch.cuda.synchronize(device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     flush: Optional[torch.Tensor] = None
+    host = []
     for i in range(iters):
         timed = step(i)
         if flush_gpu_cache_size_mb:
             # FBGEMM's flush: write a fresh buffer of that size just before the start event.
             flush = torch.rand(flush_gpu_cache_size_mb * 1024 * 1024 // 4, dtype=torch.float, device=device)
         starts[i].record()
+        t0 = time.perf_counter()
         timed()
+        host.append((time.perf_counter() - t0) * 1e3)
         ends[i].record()
     torch.cuda.synchronize(device)
     del flush
-    return _quantiles([s.elapsed_time(e) for s, e in zip(starts, ends)], warmup, iters, TIMED_BY_EVENTS)
+    return _quantiles([s.elapsed_time(e) for s, e in zip(starts, ends)], warmup, iters, TIMED_BY_EVENTS, host)
 
 
 def measure_copy_bandwidth(nbytes: int = 2 * 10**9, reps: int = 20, device: Optional[torch.device] = None) -> dict:
