@@ -248,3 +248,48 @@ def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
     torch.cuda.synchronize()
     with torch.no_grad():
         assert torch.equal(captured, one(static_idx.clone(), off))
+
+
+def test_bucket_streams_from_threads_on_their_own_streams():
+    """The fork / join events are reused from call to call (ops/launch.py fork_join_events): forwards
+    issued at once from two threads, each on its own stream, still order their side launches after
+    their own inputs and before their own consumers: outputs equal the one-stream module's."""
+    import threading
+
+    from torchrec_triton_tbe.config import load_config
+
+    base = load_config(DEV)
+    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=base.replace_forward(bucket_streams=1))
+    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV,
+                     kernel_config=base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0))
+    one.init_embedding_weights_uniform(-0.5, 0.5)
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        b.copy_(a)
+    batches = [batch(step) for step in range(2)]
+    with torch.no_grad():
+        want = [one(idx, off) for idx, off, _ in batches]
+        for idx, off, _ in batches:  # compiled before the threads race
+            many(idx, off)
+    torch.cuda.synchronize()
+    got = [[], []]
+
+    def worker(k: int) -> None:
+        s = torch.cuda.Stream()
+        with torch.no_grad(), torch.cuda.stream(s):
+            idx, off, _ = batches[k]
+            for _ in range(20):
+                # Fresh copies queued on this stream just before the forward: a side launch that ran
+                # ahead of them would read garbage.
+                i2, o2 = torch.empty_like(idx).copy_(idx), torch.empty_like(off).copy_(off)
+                got[k].append(many(i2, o2) * 1)
+        s.synchronize()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(2):
+        assert len(got[k]) == 20
+        for out in got[k]:
+            assert torch.equal(out, want[k])

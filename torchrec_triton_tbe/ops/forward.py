@@ -16,7 +16,7 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, side_streams
+from torchrec_triton_tbe.ops.launch import cdiv, fork_join_events, launch, mean_bag_pow2, side_streams
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -49,17 +49,21 @@ def bucket_streams(cfg: ForwardConfig, num_launches: int, num_lookups: int, devi
         return []
     main = torch.cuda.current_stream(device)
     streams = [main, *side_streams(device, n - 1)]
+    fork = fork_join_events(device, n)[0]
+    fork.record(main)
     for s in streams[1:]:
-        s.wait_stream(main)
+        s.wait_event(fork)
     return streams
 
 
-def join_streams(streams: list) -> None:
+def join_streams(streams: list, device: torch.device) -> None:
     """The caller's stream waits for every side stream: whatever it runs next (the output's consumers,
     and any reuse of memory freed after this call) is ordered after the side launches, so no tensor
     needs record_stream."""
-    for s in streams[1:]:
-        streams[0].wait_stream(s)
+    events = fork_join_events(device, len(streams))
+    for s, e in zip(streams[1:], events[1:]):
+        e.record(s)
+        streams[0].wait_event(e)
 
 
 def pooled_forward(
@@ -109,13 +113,10 @@ def pooled_forward(
             B,
             plan.total_D,
         )
-        if streams:
-            with torch.cuda.stream(streams[i % len(streams)]):
-                launch(_pooled_forward_kernel, grid, args, constexprs, warps)
-        else:
-            launch(_pooled_forward_kernel, grid, args, constexprs, warps)
+        launch(_pooled_forward_kernel, grid, args, constexprs, warps,
+               stream=streams[i % len(streams)] if streams else None)
     if streams:
-        join_streams(streams)
+        join_streams(streams, weights.device)
     return out
 
 

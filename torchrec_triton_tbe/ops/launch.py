@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -37,6 +38,7 @@ _INTERPRETED = _env.interpreting()
 # (id(kernel), device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
 # signature order after the positional arguments)
 _COMPILED: dict = {}
+_MISS = ("miss",)  # launch()'s key on its second pass for a stream given on a cache miss
 
 
 # Set by ops/precompile.py while it drives a step without running it: launch() appends a Launch here
@@ -89,6 +91,27 @@ def side_streams(device: torch.device, n: int) -> list:
     return have[:n]
 
 
+# Events that order side streams after / before the caller's stream, per thread and device: reused
+# from call to call (Stream.wait_stream creates one per wait, a third of a multi-stream forward's host
+# time on the H200). Reuse is safe because a stream wait binds to the event's latest record at the time
+# of the wait call, so re-recording it later moves no wait already queued; per thread, because two
+# threads recording one event between each other's record and wait would order a side stream after
+# the wrong work.
+_EVENTS = threading.local()
+
+
+def fork_join_events(device: torch.device, n: int) -> list:
+    """``n`` events of ``device`` for this thread, the same ones on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_device = getattr(_EVENTS, "by_device", None)
+    if per_device is None:
+        per_device = _EVENTS.by_device = {}
+    have = per_device.setdefault(index, [])
+    while len(have) < n:
+        have.append(torch.cuda.Event())
+    return have[:n]
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
     (each host call unwraps its arguments: ~2 µs, several per launch)."""
@@ -126,13 +149,19 @@ def launch(
     constexprs: dict,
     num_warps: int,
     key: Optional[tuple] = None,
+    stream: Optional[torch.cuda.Stream] = None,
 ):
     """``kernel[grid](*args, **constexprs, num_warps=num_warps)``; returns the compiled kernel (None
     under the interpreter). ``args`` are the leading positional parameters, ``constexprs`` every
-    parameter after them; ``key``: ``arg_key(args)`` when the caller has it already."""
+    parameter after them; ``key``: ``arg_key(args)`` when the caller has it already; ``stream``: the
+    CUDA stream to launch on (None: the current one), without making it current (entering
+    ``torch.cuda.stream`` and leaving it again costs more host time than the launch itself)."""
     if _PENDING is not None:
         _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
         return None
+    if stream is not None and (_INTERPRETED or _env.RECORD_LAUNCHES or key is _MISS):
+        with torch.cuda.stream(stream):
+            return launch(kernel, grid, args, constexprs, num_warps)
     if _INTERPRETED or _env.RECORD_LAUNCHES:
         return kernel[grid](*args, **constexprs, num_warps=num_warps)
     cx = tuple(constexprs.items())
@@ -144,13 +173,15 @@ def launch(
     site = (id(kernel), device, num_warps, cx, key)
     hit = _COMPILED.get(site)
     if hit is None:
+        if stream is not None:  # Triton binds, compiles and launches on the current stream
+            return launch(kernel, grid, args, constexprs, num_warps, _MISS, stream)
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
         if hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None:
             _COMPILED[site] = (compiled, _tail(kernel, len(args), constexprs))
         return compiled
     compiled, tail = hit
     full = (*args, *tail)
-    stream = driver.active.get_current_stream(device)
+    stream = driver.active.get_current_stream(device) if stream is None else stream.cuda_stream
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     # Exactly the tail of Triton's JITFunction.run (3.6 and 3.8): launch hooks and their metadata
