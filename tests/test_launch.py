@@ -82,6 +82,36 @@ def test_hit_replays_through_the_compiled_launcher(fake_gpu):
     assert [c[0] for c in kernel.calls] == ["run"]
 
 
+def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkeypatch):
+    # forward.py's bucket launches: a hit hands the stream's handle to the launcher directly; a miss
+    # compiles and launches through kernel[grid] with the stream made current for that call only.
+    entered = []
+
+    class _Ctx:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            entered.append(self.stream)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(launch_mod.torch.cuda, "stream", _Ctx)
+    side = types.SimpleNamespace(cuda_stream=777)
+    kernel = _FakeKernel()
+    a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    first = launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2, stream=side)
+    assert entered == [side, "exit"]
+    assert [c[0] for c in kernel.calls] == ["jit"]
+    entered.clear()
+    assert launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2, stream=side) is first
+    assert entered == []
+    assert first.calls[-1][1][3] == 777
+    launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2)
+    assert first.calls[-1][1][3] == 1234 and entered == []
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -39,9 +39,9 @@ def _real_launches(m, indices, offsets, psw=None, vbe=None) -> list:
     seen = []
     original = launch_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None):
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
         seen.append(launch_ops.Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
-        return original(kernel, grid, args, constexprs, num_warps, key)
+        return original(kernel, grid, args, constexprs, num_warps, key, stream)
 
     modules = [mod for mod in _launch_users()]
     for mod in modules:
