@@ -38,7 +38,6 @@ _INTERPRETED = _env.interpreting()
 # (id(kernel), device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
 # signature order after the positional arguments)
 _COMPILED: dict = {}
-_MISS = ("miss",)  # launch()'s key on its second pass for a stream given on a cache miss
 
 
 # Set by ops/precompile.py while it drives a step without running it: launch() appends a Launch here
@@ -92,8 +91,8 @@ def side_streams(device: torch.device, n: int) -> list:
 
 
 # Events that order side streams after / before the caller's stream, per thread and device: reused
-# from call to call (Stream.wait_stream creates one per wait, a third of a multi-stream forward's host
-# time on the H200). Reuse is safe because a stream wait binds to the event's latest record at the time
+# from call to call (Stream.wait_stream creates one per wait; with the torch.cuda.stream switches this
+# replaced, about half of a 7-bucket forward's host time on the H200, docs/performance.md). Reuse is safe because a stream wait binds to the event's latest record at the time
 # of the wait call, so re-recording it later moves no wait already queued; per thread, because two
 # threads recording one event between each other's record and wait would order a side stream after
 # the wrong work.
@@ -142,6 +141,15 @@ def arg_key(args: Sequence[Any]) -> tuple:
     return tuple(key)
 
 
+def _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream):
+    """Triton's own path (binds, compiles if needed, launches on the current stream): ``stream`` made
+    current for this call only."""
+    if stream is None:
+        return kernel[grid](*args, **constexprs, num_warps=num_warps)
+    with torch.cuda.stream(stream):
+        return kernel[grid](*args, **constexprs, num_warps=num_warps)
+
+
 def launch(
     kernel,
     grid: tuple,
@@ -159,11 +167,8 @@ def launch(
     if _PENDING is not None:
         _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
         return None
-    if stream is not None and (_INTERPRETED or _env.RECORD_LAUNCHES or key is _MISS):
-        with torch.cuda.stream(stream):
-            return launch(kernel, grid, args, constexprs, num_warps)
     if _INTERPRETED or _env.RECORD_LAUNCHES:
-        return kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream)
     cx = tuple(constexprs.items())
     if key is None:
         key = arg_key(args)
@@ -173,9 +178,7 @@ def launch(
     site = (id(kernel), device, num_warps, cx, key)
     hit = _COMPILED.get(site)
     if hit is None:
-        if stream is not None:  # Triton binds, compiles and launches on the current stream
-            return launch(kernel, grid, args, constexprs, num_warps, _MISS, stream)
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        compiled = _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream)
         if hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None:
             _COMPILED[site] = (compiled, _tail(kernel, len(args), constexprs))
         return compiled
