@@ -221,7 +221,7 @@ def test_small_batch_knobs_match_sequential():
         assert_close(ours(x.indices, x.offsets, x.per_sample_weights), seq(x.indices, x.offsets, x.per_sample_weights),
                      "small-batch knobs vs sequential", **tolerance(torch.float32))
     plans = [p for key, p in ours._spec.launch_plans.items() if key[0] == "forward"]
-    assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, _, cx, _ in p)
+    assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, _, cx, _, _ in p)
 
 
 # One launch for every D bucket (forward.grouped_max_batch): 16-wide column slices, so WIDE_SPECS'
@@ -343,3 +343,33 @@ def test_grouped_launch_leaves_grids_too_tall_to_the_bucket_launches(monkeypatch
     m.spec.launch_plans.clear()
     launches = fwd_ops._launches(m.spec, 8, 40, False, 4)
     assert len(launches) == len(m.spec.plan.buckets) and not any(x[3]["COL_CHUNKS"] for x in launches)
+
+
+@pytest.mark.parametrize("kernel_config", ["per_bucket", "grouped"])
+def test_forward_launch_keys_equal_the_arguments_key(monkeypatch, kernel_config):
+    # pooled_forward builds launch()'s key from the call's and the plan's parts: it must equal
+    # arg_key(args), the key precompile stores its kernels under, for fixed batches and VBE alike.
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+    from torchrec_triton_tbe.ops.launch import arg_key
+
+    seen = []
+    real = fwd_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
+        seen.append((key, arg_key(args)))
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
+
+    monkeypatch.setattr(fwd_ops, "launch", spy)
+    cfg = with_lanes(2) if kernel_config == "per_bucket" else grouped(2)
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=cfg)
+    x = skewed_batch([r for r, _ in WIDE_SPECS], WIDE_FTM, B=5, max_L=6, generator=torch.Generator().manual_seed(3),
+                     weighted=True)
+    sizes = [[3, 1], [2, 4], [0, 3], [5, 0], [1, 1], [2, 2]]
+    idx, offsets, _ = vbe_batch(sizes, torch.Generator().manual_seed(4), specs=WIDE_SPECS, ftm=WIDE_FTM)
+    with torch.no_grad():
+        ours(x.indices, x.offsets)
+        ours(x.indices, x.offsets, x.per_sample_weights)
+        ours(idx, offsets, batch_size_per_feature_per_rank=sizes)
+    launches = 1 if kernel_config == "grouped" else len(ours.spec.plan.buckets)
+    assert len(seen) == 3 * launches
+    assert all(key == expected for key, expected in seen)

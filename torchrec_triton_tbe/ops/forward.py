@@ -16,7 +16,7 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import cdiv, fork_join_events, launch, mean_bag_pow2, side_streams
+from torchrec_triton_tbe.ops.launch import arg_key, cdiv, fork_join_events, launch, mean_bag_pow2, side_streams
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -96,12 +96,19 @@ def pooled_forward(
             if group.features:
                 small_table.forward(spec, g, weights, indices, offsets, per_sample_weights, out, B)
     streams = bucket_streams(spec.config.forward, len(launches), indices.numel(), weights.device)
-    for i, (features, cols, grid, constexprs, warps) in enumerate(launches):
+    psw = per_sample_weights if weighted else weights
+    # launch()'s argument key, built from this call's part (the batch, the output) and each launch's
+    # memoised part (the plan's tensors) instead of from all 14 arguments per launch: equal to
+    # arg_key(args) element for element, which is what precompile's entries are stored under.
+    head = arg_key((weights, indices, offsets, psw, out))
+    mid = arg_key((out_offset,))
+    tail = arg_key((warning, B, plan.total_D))
+    for i, (features, cols, grid, constexprs, warps, (plan_a, plan_b)) in enumerate(launches):
         args = (
             weights,
             indices,
             offsets,
-            per_sample_weights if weighted else weights,
+            psw,
             out,
             features,
             cols,
@@ -113,7 +120,7 @@ def pooled_forward(
             B,
             plan.total_D,
         )
-        launch(_pooled_forward_kernel, grid, args, constexprs, warps,
+        launch(_pooled_forward_kernel, grid, args, constexprs, warps, key=head + plan_a + mid + plan_b + tail,
                stream=streams[i % len(streams)] if streams else None)
     if streams:
         join_streams(streams, weights.device)
@@ -155,8 +162,9 @@ def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> tuple[list, int]
 
 def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
               out_align: Optional[int] = None, skip_small: bool = False) -> list:
-    """(features, entry columns, grid, constexprs, num_warps) of each launch; memoised per spec on the
-    host ints they depend on (the mean bag length only through lanes_gather's power of two).
+    """(features, entry columns, grid, constexprs, num_warps, the plan tensors' argument keys) of each
+    launch; memoised per spec on the host ints they depend on (the mean bag length only through
+    lanes_gather's power of two).
     ``out_align``: VBE's (ops/vbe.py: output rows through the per-bag table); None: the fixed-batch
     [B, total_D] output. ``skip_small``: the small-table buckets take their own path in this call."""
     num_bags = B * spec.plan.num_features
@@ -193,7 +201,10 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         )
         grid = (cdiv(B, bags * lanes), n)
         warps = tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
-        return features, features if cols is None else cols, grid, constexprs, warps
+        cols = features if cols is None else cols
+        plan_keys = (arg_key((features, cols, tensors.feature_dim, tensors.feature_weight_offset)),
+                     arg_key((tensors.feature_rows,)))
+        return features, cols, grid, constexprs, warps, plan_keys
 
     grouped, n = grouped_buckets(spec, B, skip_small)
     if grouped:
