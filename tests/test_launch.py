@@ -98,7 +98,7 @@ def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkey
             entered.append("exit")
 
     monkeypatch.setattr(launch_mod.torch.cuda, "stream", _Ctx)
-    side = types.SimpleNamespace(cuda_stream=777)
+    side = types.SimpleNamespace(cuda_stream=777, device_index=0)
     kernel = _FakeKernel()
     a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
     first = launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2, stream=side)
@@ -110,6 +110,12 @@ def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkey
     assert first.calls[-1][1][3] == 777
     launch_mod.launch(kernel, (5,), (a, b, 32), dict(BLOCK=64), 2)
     assert first.calls[-1][1][3] == 1234 and entered == []
+    # A stream of another device: compiled under that device's context, so never kept for a hit here.
+    other = types.SimpleNamespace(cuda_stream=888, device_index=1)
+    kernel2 = _FakeKernel()
+    for _ in range(2):
+        launch_mod.launch(kernel2, (5,), (a, b, 32), dict(BLOCK=64), 2, stream=other)
+    assert [c[0] for c in kernel2.calls] == ["jit", "jit"] and entered == [other, "exit"] * 2
 
 
 @pytest.mark.parametrize(

@@ -179,7 +179,10 @@ def launch(
     hit = _COMPILED.get(site)
     if hit is None:
         compiled = _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream)
-        if hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None:
+        # Not kept for a stream of another device: Triton compiled and loaded it there (the stream's
+        # context), and a hit would launch it from this device's.
+        if (hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None
+                and (stream is None or stream.device_index == device)):
             _COMPILED[site] = (compiled, _tail(kernel, len(args), constexprs))
         return compiled
     compiled, tail = hit
