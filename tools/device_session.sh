@@ -47,6 +47,10 @@
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
 #               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
+#   ab          the bench (AB_ARGS: its options after --suite h200 --compare fbgemm) on the tree of another
+#               commit, .ab/<commit> (git-ignored; make it with `git archive <commit> torchrec_triton_tbe
+#               configs tools pyproject.toml | tar -x -C .ab/<commit>` and carry it along), and on this tree, in
+#               AB_PROCS (default 2) interleaved fresh processes each; tools/perf_spread.py prints both
 # Sweeps write configs/sm90.yaml on the device and keep a copy in /tmp/sm90_swept.yaml (and $OUT);
 # every later call copies it back over the working tree's configs/sm90.yaml while the machine stays
 # warm, so the suite runs with the swept knobs (commit that file afterwards). The device copy has no
@@ -237,6 +241,18 @@ PY
         grep -i "check\|error\|fail" "$OUT/small_$tag.log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -4
         python tools/perf_table.py "$OUT/small_$tag.json" | tail -6
       done ;;
+    ab)
+      base=$(ls -d .ab/*/ | head -1); base=${base%/}; tag=$(basename "$base")
+      for i in $(seq "${AB_PROCS:-2}"); do
+        for side in base head; do
+          dir=.; sha=${TORCHREC_TRITON_TBE_GIT_COMMIT:-}; [ $side = base ] && dir=$base && sha=$tag
+          (cd "$dir" && PYTHONPATH=/tmp/site:$PWD TORCHREC_TRITON_TBE_GIT_COMMIT=$sha timeout 200 \
+            python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm ${AB_ARGS:?} \
+            --json "$OUT/ab_${side}_$i.json" > "$OUT/ab_${side}_$i.log" 2>&1) \
+            && rm -f "$OUT/ab_${side}_$i.log" || echo "$side run $i: rc=$? (log in \$OUT)"
+        done
+      done
+      python tools/perf_spread.py "$OUT"/ab_*_*.json ;;
     grouped)
       # The pooled forward in one launch for every D bucket (forward.grouped_max_batch) vs one per bucket,
       # FBGEMM beside it, at GROUPED_RUNS (shape:batch) and slice widths GROUPED_WIDTHS; then the width

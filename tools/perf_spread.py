@@ -4,7 +4,8 @@
 
 Files are grouped by their name without the trailing ``_<run>.json`` (``streams_procs_st1``,
 ``streams_procs_st4``); for each group, shape and pass it prints how many runs there were and the min /
-median / max of our median ms and of FBGEMM's. Made for settings whose time differs per process (the
+median / max of our median ms and of FBGEMM's, and the median over runs of each side's host issue time
+(bench/timing.py ``host_median_ms``, where the JSON has it). Made for settings whose time differs per process (the
 pooled forward's bucket streams, docs/performance.md "fp32 weights"), where one run per setting
 decides nothing.
 """
@@ -24,16 +25,20 @@ def group_name(path: str) -> str:
 
 
 def spread(paths: list[str]) -> dict:
-    """{(group, shape, pass): {"triton": [ms...], "fbgemm": [ms...]}} over the files' shapes."""
-    out: dict = defaultdict(lambda: {"triton": [], "fbgemm": []})
+    """{(group, shape, pass): {"triton": [ms...], "fbgemm": [ms...], "triton_host": [ms...], "fbgemm_host":
+    [ms...]}} over the files' shapes."""
+    out: dict = defaultdict(lambda: {"triton": [], "fbgemm": [], "triton_host": [], "fbgemm_host": []})
     for path in paths:
         with open(path) as fh:
             d = json.load(fh)
         for s in d["shapes"]:
             for p, x in s.get("results", {}).items():
                 for who in ("triton", "fbgemm"):
+                    row = out[(group_name(path), s["name"], p)]
                     if who in x and "median_ms" in x[who]:
-                        out[(group_name(path), s["name"], p)][who].append(x[who]["median_ms"])
+                        row[who].append(x[who]["median_ms"])
+                    if who in x and "host_median_ms" in x[who]:
+                        row[who + "_host"].append(x[who]["host_median_ms"])
     return out
 
 
@@ -43,10 +48,14 @@ def fmt(v: list) -> str:
 
 def main(paths: list[str]) -> None:
     rows = spread(paths)
-    print("| setting | shape | pass | runs | ours ms min / median / max | FBGEMM ms min / median / max |")
-    print("|---|---|---|---|---|---|")
+    print("| setting | shape | pass | runs | ours ms min / median / max | FBGEMM ms min / median / max "
+          "| host ms, ours / FBGEMM (median) |")
+    print("|---|---|---|---|---|---|---|")
     for (group, shape, p), v in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        print(f"| {group} | {shape} | {p} | {len(v['triton'])} | {fmt(v['triton'])} | {fmt(v['fbgemm'])} |")
+        if not v["triton"] and not v["fbgemm"]:
+            continue
+        host = " / ".join(f"{statistics.median(h):.3f}" if h else "—" for h in (v["triton_host"], v["fbgemm_host"]))
+        print(f"| {group} | {shape} | {p} | {len(v['triton'])} | {fmt(v['triton'])} | {fmt(v['fbgemm'])} | {host} |")
 
 
 if __name__ == "__main__":
