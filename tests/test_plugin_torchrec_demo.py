@@ -127,7 +127,7 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--shape", "prod_tiny", "--suite", str(suite),
-         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--json", str(out)],
+         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--cprofile", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -136,6 +136,10 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
     assert res["interleaved_steps"] == 2 and res["fused_over_triton_median"] > 0
     for name in ("fused", "triton"):
         assert len(res[name]["ms"]) == 2 and res[name]["host"], name
+        own = res["cprofile_own_ms_per_step"][name]
+        assert own["total"] > 0 and own["top"], name
+    diff = [v for _, v in res["cprofile_own_ms_per_step"]["triton_minus_fused"]]
+    assert diff and [abs(v) for v in diff] == sorted((abs(v) for v in diff), reverse=True)
 
 
 def test_demo_in_train_pipeline_base_matches(capsys):

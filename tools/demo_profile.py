@@ -1,17 +1,21 @@
 """Where the TorchRec demo's step time goes, `fused` (FBGEMM) vs ours (on a GPU; on a CPU it runs the
 interpreter against FBGEMM's CPU TBE, whose times mean nothing: that is the tool's own test).
 
-    python tools/demo_profile.py [--steps 20] [--json out.json]   (demo options as torchrec_demo)
+    python tools/demo_profile.py [--steps 20] [--cprofile N] [--json out.json]   (demo options as torchrec_demo)
 
 Builds the demo's two DistributedModelParallel models (torchrec_demo), warms both up on every batch,
 times --steps rounds of one step of each, alternating which goes first (CUDA-synchronized wall clock as
 the demo; interleaved because the host's speed drifts by 10-30 % within a device session, which
 made two back-to-back blocks of steps disagree), reports each model's median and the median of the
 per-round ratios, then profiles three steps of each with torch.profiler and prints the GPU kernels
-and host ops that take the most time.
+and host ops that take the most time. ``--cprofile N``: also N steps of each under cProfile (Python-level
+host time without torch.profiler's hooks, which inflate Triton launches: docs/performance.md), the
+functions with the most own time per step, and those whose own time differs most between the two.
 """
 
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 
@@ -42,13 +46,27 @@ def profile_steps(dmp, opt, batches, setup, n=3):
     return kernels, host
 
 
+def cprofile_steps(dmp, opt, batches, setup, n: int) -> dict:
+    """{"file:line(function)": own seconds per step} over n steps under cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n):
+        demo._step(dmp, opt, batches[i % len(batches)], setup)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    return {f"{f.rsplit('/', 2)[-1]}:{line}({name})": tt / n for (f, line, name), (_, _, tt, _, _) in stats.items()}
+
+
+def _take(argv: list, flag: str):
+    if flag not in argv:
+        return argv, None
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:], argv[i + 1]
+
+
 def main():
-    argv = sys.argv[1:]
-    out_json = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        out_json = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
+    argv, out_json = _take(sys.argv[1:], "--json")
+    argv, cprofile_n = _take(argv, "--cprofile")
     gpu = torch.cuda.is_available()
     args = demo._parse(argv, gpu=gpu)
     setup = demo._init_process_group(gpu)
@@ -92,6 +110,20 @@ def main():
         print(f"{name}: median {statistics.median(ms[name]):.2f} ms/step, GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
         print("  kernels: " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in kernels[:12]))
         print("  host:    " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in host[:12]))
+    if cprofile_n:
+        own = {name: cprofile_steps(dmp, opt, batches, setup, int(cprofile_n)) for name, (dmp, opt) in models.items()}
+        res["cprofile_own_ms_per_step"] = {}
+        for name, funcs in own.items():
+            top = sorted(funcs.items(), key=lambda kv: -kv[1])[:25]
+            res["cprofile_own_ms_per_step"][name] = {"total": sum(funcs.values()) * 1e3,
+                                                     "top": [(k, v * 1e3) for k, v in top]}
+            print(f"{name} cProfile: {sum(funcs.values()) * 1e3:.2f} ms own time per step; top: "
+                  + "; ".join(f"{k} {v * 1e3:.3f}" for k, v in top[:8]))
+        keys = set(own["fused"]) | set(own["triton"])
+        diff = sorted(((k, (own["triton"].get(k, 0.0) - own["fused"].get(k, 0.0)) * 1e3) for k in keys),
+                      key=lambda kv: -abs(kv[1]))[:25]
+        res["cprofile_own_ms_per_step"]["triton_minus_fused"] = diff
+        print("triton - fused own ms per step: " + "; ".join(f"{k} {v:+.3f}" for k, v in diff[:12]))
     print(f"fused / triton per interleaved round: median {res['fused_over_triton_median']:.3f} over {args.steps} rounds "
           f"(> 1: ours faster)")
     if out_json:

@@ -10,7 +10,8 @@
 #               (tools/host_profile.py), both optimizers
 #   demo        the TorchRec demo's step time, fused vs ours, with a kernel / host-op profile (tools/demo_profile.py)
 #   demo-prod   the same on production-shaped tables with fp16 weights (DEMO_RUNS of shape:batch, default
-#               prod_t40_b16k at 8192 and 2048, prod_t100_b2k at 2048; the concatenating model)
+#               prod_t40_b16k at 8192 and 2048, prod_t100_b2k at 2048; the concatenating model; DEMO_ARGS: more
+#               demo_profile.py options, e.g. --cprofile 10)
 #   small-table the small-table path off and at 64 rows (config small_table) in SMALL_VARIANTS of its knobs,
 #               fwd + bwd, --check, on SMALL_SHAPES (default prod_small_b16k, prod_t40_b16k, prod_t100_b2k)
 #   first-step  cold and warm first step of a production-shaped model (FIRST_STEP_SHAPE), fused vs ours, and
@@ -88,7 +89,7 @@ for step in "$@"; do
       # Issue 14's end-to-end target: the production-shaped model, fp16 tables, per-rank batches 8 k and 2 k.
       for run in ${DEMO_RUNS:-prod_t40_b16k:8192 prod_t40_b16k:2048 prod_t100_b2k:2048}; do
         shape=${run%:*}; b=${run#*:}; tag=${shape}_b$b; echo "-- $tag fp16"
-        timeout 280 python tools/demo_profile.py --shape "$shape" --batch-size "$b" --weights fp16 --steps 20 \
+        timeout 280 python tools/demo_profile.py --shape "$shape" --batch-size "$b" --weights fp16 --steps 20 ${DEMO_ARGS:-} \
           --json "$OUT/demo_profile_$tag.json" > "$OUT/demo_profile_$tag.log" 2>&1
         quiet < "$OUT/demo_profile_$tag.log" | grep -v "^  kernels\|^  host" | tail -4
       done ;;
