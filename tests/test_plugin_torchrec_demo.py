@@ -138,6 +138,9 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
         assert len(res[name]["ms"]) == 2 and res[name]["host"], name
         own = res["cprofile_own_ms_per_step"][name]
         assert own["total"] > 0 and own["top"], name
+        assert 0 < res[name]["issue_median_ms"] and len(res[name]["issue_ms"]) == 2, name
+    assert res["cprofile_own_ms_per_step"]["triton"]["in_torchrec_triton_tbe"] > 0
+    assert res["graphs_after_timing"] == [[0, 0]]  # one module of ours, no graphs on a CPU
     diff = [v for _, v in res["cprofile_own_ms_per_step"]["triton_minus_fused"]]
     assert diff and [abs(v) for v in diff] == sorted((abs(v) for v in diff), reverse=True)
 

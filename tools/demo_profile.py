@@ -5,12 +5,14 @@ interpreter against FBGEMM's CPU TBE, whose times mean nothing: that is the tool
 
 Builds the demo's two DistributedModelParallel models (torchrec_demo), warms both up on every batch,
 times --steps rounds of one step of each, alternating which goes first (CUDA-synchronized wall clock as
-the demo; interleaved because the host's speed drifts by 10-30 % within a device session, which
-made two back-to-back blocks of steps disagree), reports each model's median and the median of the
+the demo, and the host's issue time: until the step's last call returned, before that synchronize;
+interleaved because the host's speed drifts by 10-30 % within a device session, which made two
+back-to-back blocks of steps disagree), reports each model's median and the median of the
 per-round ratios, then profiles three steps of each with torch.profiler and prints the GPU kernels
 and host ops that take the most time. ``--cprofile N``: also N steps of each under cProfile (Python-level
 host time without torch.profiler's hooks, which inflate Triton launches: docs/performance.md), the
-functions with the most own time per step, and those whose own time differs most between the two.
+functions with the most own time per step, and those whose own time differs most between the two;
+and our modules' backward graph captures and replays after the warm-up and after the timed steps.
 """
 
 import cProfile
@@ -47,14 +49,22 @@ def profile_steps(dmp, opt, batches, setup, n=3):
 
 
 def cprofile_steps(dmp, opt, batches, setup, n: int) -> dict:
-    """{"file:line(function)": own seconds per step} over n steps under cProfile."""
+    """{"dir/file:line(function)": (own seconds, calls) per step} over n steps under cProfile."""
     prof = cProfile.Profile()
     prof.enable()
     for i in range(n):
         demo._step(dmp, opt, batches[i % len(batches)], setup)
     prof.disable()
     stats = pstats.Stats(prof).stats
-    return {f"{f.rsplit('/', 2)[-1]}:{line}({name})": tt / n for (f, line, name), (_, _, tt, _, _) in stats.items()}
+    return {f"{'/'.join(f.split('/')[-3:])}:{line}({name})": (tt / n, nc / n)
+            for (f, line, name), (_, nc, tt, _, _) in stats.items()}
+
+
+def graph_counts(dmp) -> list:
+    """(captures, replays) of each of our TBE modules' backward graphs (ops/graphs.py)."""
+    from torchrec_triton_tbe.plugin.two_d import _ours_below  # walks the lookups' plain lists too
+
+    return [(m._backward_graphs.captures, m._backward_graphs.replays) for m in _ours_below(dmp)]
 
 
 def _take(argv: list, flag: str):
@@ -94,34 +104,47 @@ def main():
             demo._step(dmp, opt, b, setup)
         for b in batches:
             demo._step(dmp, opt, b, setup)
+    res["graphs_after_warm_up"] = graph_counts(models["triton"][0])
     ms = {name: [] for name in models}
+    issue = {name: [] for name in models}
     names = list(models)
     for i in range(args.steps):
         b = batches[i % len(batches)]
         for name in (names if i % 2 == 0 else names[::-1]):
-            ms[name].append(demo._step(*models[name], b, setup)[1])
+            t: dict = {}
+            ms[name].append(demo._step(*models[name], b, setup, timings=t)[1])
+            issue[name].append(t["issue_ms"])
     ratios = [f / t for f, t in zip(ms["fused"], ms["triton"])]
     res["interleaved_steps"] = args.steps
     res["fused_over_triton_median"] = statistics.median(ratios)
     for name, (dmp, opt) in models.items():
         kernels, host = profile_steps(dmp, opt, batches, setup)
         res[name] = {"median_ms": statistics.median(ms[name]), "ms": ms[name], "gpu_ms": sum(k[2] for k in kernels),
+                     "issue_median_ms": statistics.median(issue[name]), "issue_ms": issue[name],
                      "kernels": kernels[:30], "host": host[:30]}
-        print(f"{name}: median {statistics.median(ms[name]):.2f} ms/step, GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
+        print(f"{name}: median {statistics.median(ms[name]):.2f} ms/step (host issue {res[name]['issue_median_ms']:.2f}), "
+              f"GPU kernels {res[name]['gpu_ms']:.2f} ms/step")
         print("  kernels: " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in kernels[:12]))
         print("  host:    " + "; ".join(f"{k} x{c} {t:.3f}" for k, c, t in host[:12]))
+    res["graphs_after_timing"] = graph_counts(models["triton"][0])
+    print(f"our backward graphs (captures, replays) per module: after warm-up {res['graphs_after_warm_up']}, "
+          f"after the timed and profiled steps {res['graphs_after_timing']}")
     if cprofile_n:
         own = {name: cprofile_steps(dmp, opt, batches, setup, int(cprofile_n)) for name, (dmp, opt) in models.items()}
         res["cprofile_own_ms_per_step"] = {}
         for name, funcs in own.items():
-            top = sorted(funcs.items(), key=lambda kv: -kv[1])[:25]
-            res["cprofile_own_ms_per_step"][name] = {"total": sum(funcs.values()) * 1e3,
-                                                     "top": [(k, v * 1e3) for k, v in top]}
-            print(f"{name} cProfile: {sum(funcs.values()) * 1e3:.2f} ms own time per step; top: "
-                  + "; ".join(f"{k} {v * 1e3:.3f}" for k, v in top[:8]))
+            top = sorted(funcs.items(), key=lambda kv: -kv[1][0])[:40]
+            ours = sum(t for k, (t, _) in funcs.items() if "torchrec_triton_tbe/" in k)
+            res["cprofile_own_ms_per_step"][name] = {
+                "total": sum(t for t, _ in funcs.values()) * 1e3, "in_torchrec_triton_tbe": ours * 1e3,
+                "top": [(k, t * 1e3, c) for k, (t, c) in top]}
+            print(f"{name} cProfile: {res['cprofile_own_ms_per_step'][name]['total']:.2f} ms own time per step "
+                  f"({ours * 1e3:.2f} in torchrec_triton_tbe); top: "
+                  + "; ".join(f"{k} {t * 1e3:.3f} x{c:g}" for k, (t, c) in top[:8]))
         keys = set(own["fused"]) | set(own["triton"])
-        diff = sorted(((k, (own["triton"].get(k, 0.0) - own["fused"].get(k, 0.0)) * 1e3) for k in keys),
-                      key=lambda kv: -abs(kv[1]))[:25]
+        zero = (0.0, 0.0)
+        diff = sorted(((k, (own["triton"].get(k, zero)[0] - own["fused"].get(k, zero)[0]) * 1e3) for k in keys),
+                      key=lambda kv: -abs(kv[1]))[:40]
         res["cprofile_own_ms_per_step"]["triton_minus_fused"] = diff
         print("triton - fused own ms per step: " + "; ".join(f"{k} {v:+.3f}" for k, v in diff[:12]))
     print(f"fused / triton per interleaved round: median {res['fused_over_triton_median']:.3f} over {args.steps} rounds "

@@ -547,8 +547,10 @@ def _optimizer_state(dmp) -> Dict[str, torch.Tensor]:
     return {f"{p}/{k}": v for p, entries in state.items() for k, v in entries.items()}
 
 
-def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
-    """The plain loop's step: forward, loss, backward (the fused optimizer inside), the dense step."""
+def _step(dmp, opt, batch, setup: Setup, timings: Optional[dict] = None) -> tuple[float, float]:
+    """The plain loop's step: forward, loss, backward (the fused optimizer inside), the dense step.
+    ``timings``: gets ``issue_ms``, the host time until the step's last call returned (before the
+    closing synchronize): close to the step's time when the host, not the GPU, bounds it."""
     dense, kjt, labels, seq = (None if x is None else x.to(setup.device) for x in batch)
     if setup.gpu:
         torch.cuda.synchronize()
@@ -561,6 +563,8 @@ def _step(dmp, opt, batch, setup: Setup) -> tuple[float, float]:
     opt.step()
     if setup.replicas > 1:
         dmp.sync()  # 2D parallel: replicas averaged (weights and fused-optimizer state)
+    if timings is not None:
+        timings["issue_ms"] = (time.perf_counter() - t0) * 1e3
     if setup.gpu:
         torch.cuda.synchronize()
     return loss.item(), (time.perf_counter() - t0) * 1e3
