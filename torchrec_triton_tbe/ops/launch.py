@@ -92,10 +92,10 @@ def side_streams(device: torch.device, n: int) -> list:
 
 # Events that order side streams after / before the caller's stream, per thread and device: reused
 # from call to call (Stream.wait_stream creates one per wait; with the torch.cuda.stream switches this
-# replaced, about half of a 7-bucket forward's host time on the H200, docs/performance.md). Reuse is safe because a stream wait binds to the event's latest record at the time
-# of the wait call, so re-recording it later moves no wait already queued; per thread, because two
-# threads recording one event between each other's record and wait would order a side stream after
-# the wrong work.
+# replaced, about half of a 7-bucket forward's host time on the H200, docs/performance.md). Reuse is
+# safe because a stream wait binds to the event's latest record at the time of the wait call, so
+# re-recording it later moves no wait already queued; per thread, because two threads recording one
+# event between each other's record and wait would order a side stream after the wrong work.
 _EVENTS = threading.local()
 
 
