@@ -173,12 +173,8 @@ PY
       done ;;
     streams)
       for n in ${STREAMS_LIST:-1 4 8}; do
-        python - "$n" <<'PY'
-import sys, yaml
-cfg = yaml.safe_load(open("configs/sm90.yaml"))
-cfg["forward"].update(bucket_streams=int(sys.argv[1]), bucket_streams_min_lookups=0)
-yaml.safe_dump(cfg, open(f"/tmp/sm90_streams{sys.argv[1]}.yaml", "w"))
-PY
+        python tools/config_variants.py --prefix /tmp/sm90_ \
+          "streams$n=forward.bucket_streams:$n,forward.bucket_streams_min_lookups:0" > /dev/null || continue
         echo "-- bucket_streams=$n"
         timeout 150 python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters "${ITERS:-20}" \
           --passes fwd --only "${STREAM_SHAPES:-prod_t100_b2k,prod_t40_b16k,mixed_d32_256_zipf115,vbe_t16_b1k_64k}" \
