@@ -4,10 +4,10 @@
 
 Files are grouped by their name without the trailing ``_<run>.json`` (``streams_procs_st1``,
 ``streams_procs_st4``); for each group, shape and pass it prints how many runs there were and the min /
-median / max of our median ms and of FBGEMM's, and the median over runs of each side's host issue time
-(bench/timing.py ``host_median_ms``, where the JSON has it). Made for settings whose time differs per process (the
-pooled forward's bucket streams, docs/performance.md "fp32 weights"), where one run per setting
-decides nothing.
+median / max of our median ms and of FBGEMM's, and the median over runs of each side's host issue
+time (bench/timing.py ``host_median_ms``, where the JSON has it). Made for settings whose time differs
+per process (the pooled forward's bucket streams, docs/performance.md "fp32 weights"), where one run
+per setting decides nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def spread(paths: list[str]) -> dict:
             d = json.load(fh)
         for s in d["shapes"]:
             for p, x in s.get("results", {}).items():
+                row = out[(group_name(path), s["name"], p)]
                 for who in ("triton", "fbgemm"):
-                    row = out[(group_name(path), s["name"], p)]
                     if who in x and "median_ms" in x[who]:
                         row[who].append(x[who]["median_ms"])
                     if who in x and "host_median_ms" in x[who]:
