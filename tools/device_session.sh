@@ -239,7 +239,9 @@ PY
         python tools/perf_table.py "$OUT/small_$tag.json" | tail -6
       done ;;
     ab)
-      base=$(ls -d .ab/*/ | head -1); base=${base%/}; tag=$(basename "$base")
+      base=$(ls -d .ab/*/ 2> /dev/null | head -1); base=${base%/}
+      [ -n "$base" ] || { echo "ab: no .ab/<commit> tree: make one (see the header) and carry .ab"; continue; }
+      tag=$(basename "$base")
       for i in $(seq "${AB_PROCS:-2}"); do
         for side in base head; do
           dir=.; sha=${TORCHREC_TRITON_TBE_GIT_COMMIT:-}; [ $side = base ] && dir=$base && sha=$tag
