@@ -306,6 +306,76 @@ def test_precompile_workers_fill_the_cache_the_load_phase_hits(tmp_path):
     assert 0 < report["worker_seconds"] <= report["seconds"]
 
 
+_PRESTARTED = _SMALL_STEP + r"""
+import gc
+from torchrec_triton_tbe import aot
+from torchrec_triton_tbe.ops.precompile import Workers, precompile
+job_fn = aot.cubin_job(90)
+procs = Workers(2, warm_up=job_fn.target)   # as start_workers does, before the module's first step
+report = precompile(m, indices, offsets, compile_fn=aot.cubin_compiler(90), pool="process", job_fn=job_fn,
+                    procs=procs)
+open_after = not procs.closed
+children = [p for p, _ in procs.procs]
+del procs
+gc.collect()
+print(json.dumps({"specializations": report.specializations, "cache_hits": report.cache_hits,
+                  "load_compiles": report.load_compiles, "prestarted": report.prestarted,
+                  "workers": report.workers, "worker_errors": list(report.worker_errors),
+                  "phases": [report.record_seconds, report.compile_seconds, report.load_seconds],
+                  "seconds": report.seconds, "open_after": open_after,
+                  "exit_codes": [p.poll() for p in children]}))
+"""
+
+
+def test_precompile_on_workers_started_before_it_leaves_them_to_their_holder(tmp_path):
+    """Workers started ahead of the step (the plugin starts them with the module) compile its jobs as
+    workers started by precompile would: every load is a cache hit. precompile leaves them open (other
+    modules may share them, ops/precompile.start_workers); they end when the last reference goes. The
+    report's phases add up to its total."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _PRESTARTED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["prestarted"] and report["workers"] == 2 and _real(report["worker_errors"]) == [], report
+    assert report["cache_hits"] == report["specializations"] >= 8 and report["load_compiles"] == 0, report
+    assert report["open_after"] and report["exit_codes"] == [0, 0], report
+    assert all(t > 0 for t in report["phases"]) and sum(report["phases"]) == pytest.approx(report["seconds"]), report
+
+
+def test_started_workers_are_shared_while_held_and_end_when_let_go(monkeypatch):
+    """start_workers: one set per (target, count) while something holds it, a new set after it went;
+    nothing started where nothing compiles (a CPU module, Triton's interpreter): hold_workers says so."""
+    import gc
+
+    from torchrec_triton_tbe.ops import precompile as pre
+
+    assert pre.start_workers(torch.device("cpu")) is None
+    m = _module()
+    assert m.start_precompile_workers() is False and pre.release_workers(m) is None
+    monkeypatch.setattr(pre, "_target", lambda device: ("cuda", 90, 32))
+    monkeypatch.setattr(pre._env, "interpreting", lambda: False)
+    first = pre.start_workers(torch.device("cuda"), workers=1)
+    assert pre.start_workers(torch.device("cuda"), workers=1) is first
+    assert pre.start_workers(torch.device("cuda"), workers=2) is not first
+    gc.collect()  # the two-worker set is held by nothing: gone
+    child = first.procs[0][0]
+    assert first.warm_up == ("cuda", 90, 32) and child.poll() is None
+    del first
+    gc.collect()
+    assert child.wait(timeout=60) == 0  # told there are no more jobs when its last holder went
+    again = pre.start_workers(torch.device("cuda"), workers=1)
+    assert again.procs[0][0] is not child
+    again.close()
+    assert again.closed and again.procs[0][0].poll() == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        again.run([])
+
+
 def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch):
     """A job a worker cannot compile comes back as an error naming the kernel (the thread phase then
     compiles that one itself), not as a crash."""

@@ -17,6 +17,9 @@
 #   first-step  cold and warm first step of a production-shaped model (FIRST_STEP_SHAPE), fused vs ours, and
 #               tools/first_step.py: the step's specializations and their compile time on 1, 4, 16 processes,
 #               replayed on 16 workers in both job orders, and a worker's first job cold and warmed up
+#   first-step-ab  the demo's cold first step with --precompile on the tree of another commit (.ab/<commit>,
+#               AB_COMMIT, as for ab) and on this tree, FIRST_STEP_PROCS (default 2) fresh processes and
+#               caches each, interleaved; then this tree's step 0 on a warm cache with and without --precompile
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
@@ -114,6 +117,23 @@ for step in "$@"; do
       # TritonTBE.precompile: a cold first step plain and precompiled, fresh processes and caches.
       PRECOMPILE_LOG_DIR="$OUT/precompile" timeout 400 python -m pytest -q -s -p no:cacheprovider \
         tests/gpu/test_gpu_precompile.py 2>&1 | grep -E "passed|failed|Error|plain" | cut -c1-600 | tail -6 ;;
+    first-step-ab)
+      base=.ab/${AB_COMMIT:-}
+      [ -n "${AB_COMMIT:-}" ] && [ -d "$base/torchrec_triton_tbe" ] || {
+        echo "first-step-ab: no $base/torchrec_triton_tbe (set AB_COMMIT, make the tree as for ab, carry .ab)"; continue; }
+      step0() {  # tag, tree (python -m imports from the working directory first), cache dir, extra demo flags
+        local log="$OUT/first_step_ab_$1.log"; echo "$1:"
+        (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout 200 python -m torchrec_triton_tbe.torchrec_demo \
+          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
+        grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |^precompile:|MATCH" "$log" | cut -c1-300 || quiet < "$log" | tail -6
+      }
+      warm=$(mktemp -d)
+      for i in $(seq "${FIRST_STEP_PROCS:-2}"); do
+        step0 "base_$i" "$PWD/$base" "$(mktemp -d)" --precompile
+        c=$(mktemp -d); [ "$i" = 1 ] && c=$warm
+        step0 "this_$i" "$PWD" "$c" --precompile
+      done
+      step0 warm_precompile "$PWD" "$warm" --precompile; step0 warm_plain "$PWD" "$warm" ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;

@@ -240,6 +240,7 @@ class TritonTBE(nn.Module):
         # option); eval forwards under no_grad neither trigger nor use it up.
         self.precompile_first_step = False
         self._precompiled = False
+        self.precompile_report = None  # the last precompile()'s PrecompileReport
         # Opt-in guard (docs/reliability.md): non-finite per-sample weights (forward) or output
         # gradients (backward) raise before any kernel runs, leaving weights and state untouched.
         # One host sync per checked tensor when on; nothing at all when off.
@@ -352,10 +353,24 @@ class TritonTBE(nn.Module):
         optimizer state and the step counter are unchanged; returns a ``PrecompileReport``. Another
         batch shape may need a few more specializations (other bag lengths, batch sizes); those compile
         on first use as without this call. Nothing to compile under Triton's interpreter."""
-        from torchrec_triton_tbe.ops.precompile import precompile
+        from torchrec_triton_tbe.ops import precompile as precompile_ops
 
-        return precompile(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank, workers,
-                          pool=pool)
+        # Workers started at construction (start_precompile_workers) serve the default count only.
+        procs = precompile_ops.release_workers(self)
+        report = precompile_ops.precompile(self, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank,
+                                           workers, pool=pool, procs=procs if workers is None else None)
+        self.precompile_report = report
+        return report
+
+    def start_precompile_workers(self, workers: Optional[int] = None) -> bool:
+        """Starts the compile workers of this module's first ``precompile`` now, so that their start-up
+        (~1 s on the H200 host) runs beside what the program does before its first step rather than in
+        it; modules of one process share them (ops/precompile.start_workers). The plugin's precompile
+        option calls this when it builds the module. Returns whether any were started (none on a CPU
+        or under Triton's interpreter); they end after that precompile, or with the module."""
+        from torchrec_triton_tbe.ops import precompile as precompile_ops
+
+        return precompile_ops.hold_workers(self, workers)
 
     def _lookup_call(self, spec: TBESpec, B: int, bufs: dict) -> LookupCall:
         """This call's LookupCall, reused while nothing in it changed (building one per call was a

@@ -631,6 +631,27 @@ def cli() -> None:
     raise SystemExit(rc)
 
 
+def _precompile_lines(model) -> List[str]:
+    """Where each Triton kernel's precompile (--precompile: inside step 0) spent its time."""
+    from torchrec_triton_tbe.module import TritonTBE
+
+    lines = []
+    for m in model.modules():
+        r = getattr(m, "precompile_report", None) if isinstance(m, TritonTBE) else None
+        if r is None:
+            continue
+        if not r.compiled:
+            lines.append(f"precompile: {r.specializations} specializations, nothing compiled (Triton's interpreter)")
+            continue
+        lines.append(
+            f"precompile: {r.specializations} specializations in {r.seconds:.2f} s: dry run {r.record_seconds:.2f} s, "
+            f"compile {r.compile_seconds:.2f} s on {r.workers} {'pre-started ' if r.prestarted else ''}"
+            f"{'processes' if r.pool == 'process' else 'threads'}, load {r.load_seconds:.2f} s "
+            f"({r.cache_hits} cache hits, {r.load_compiles} compiled again"
+            + (f", {len(r.worker_errors)} worker errors: {r.worker_errors[0]}" if r.worker_errors else "") + ")")
+    return lines
+
+
 def _run(args, setup: Setup) -> int:
     if not setup.gpu and args.vbe and args.index_dtype == "int32":
         # fbgemm-gpu-cpu 1.9.0 corrupts its heap on variable batches of int32 ids ("free(): invalid next size").
@@ -742,6 +763,8 @@ def _run(args, setup: Setup) -> int:
         if setup.rank == 0:
             tqdm.write(f"{step:>4} {loss_f:>11.6f} {loss_o:>11.6f} {d_w:>10.2e} {d_s:>10.2e} {ms_f:>9.1f} {ms_o:>9.1f}")
     bar.close()
+    for line in _precompile_lines(ours):
+        print(line)
     # Step 0 includes kernel compilation / interpreter warm-up; the median ignores stray slow steps.
     timed = rows[1:] or rows
     med_f = statistics.median(r[0] for r in timed)

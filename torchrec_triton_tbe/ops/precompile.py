@@ -17,7 +17,9 @@ How:
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
 2. Compile in processes (``pool="process"``, the default). The workers (``Workers``: the script
    torchrec_triton_tbe/_compile_worker.py, which imports Triton and the kernels, not torch) start
-   before step 1, so their start-up overlaps the recording. For each distinct specialization, Triton's
+   before step 1, so their start-up overlaps the recording; or earlier, when the module is built
+   (``start_workers``, the plugin's precompile option), so that it overlaps whatever the program does
+   before its first step. For each distinct specialization, Triton's
    own JIT binds the recorded arguments and is stopped at its call into the compiler (``_jit_job``):
    what it would compile (the ASTSource's signature, constexprs and attributes, the target, the
    options, and the kernel's source hash as this process has it) is what a worker compiles, with
@@ -44,7 +46,9 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -73,6 +77,11 @@ class PrecompileReport:
     cache_hits: int = 0  # load-phase compiles that found their kernel in the Triton cache
     load_compiles: int = 0  # load-phase compiles that did not (a worker's miss: compiled on the threads)
     load_compiled: tuple = ()  # their kernels' names
+    # The phases of ``seconds``: the dry run, the workers' jobs (made and compiled), the load on threads.
+    record_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+    prestarted: bool = False  # the workers were started before this call (start_workers)
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -136,29 +145,35 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                per_sample_weights: Optional[torch.Tensor] = None,
                batch_size_per_feature_per_rank: Optional[list] = None,
                workers: Optional[int] = None, compile_fn: Optional[Callable] = None,
-               pool: str = "process", job_fn: Optional[Callable] = None) -> PrecompileReport:
+               pool: str = "process", job_fn: Optional[Callable] = None,
+               procs: Optional["Workers"] = None) -> PrecompileReport:
     """Records one training step of ``module`` on this batch (``record_step``), compiles its distinct
     kernel specializations on ``workers`` processes and loads them on as many threads (``pool``
     "process"), or compiles them on the threads (``pool`` "thread"). ``workers`` defaults to the CPUs
     this process may use, divided by $LOCAL_WORLD_SIZE when a launcher set it (one process per GPU
     sharing the host's cores). ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup``
     and ``job_fn(launch) -> job`` the JIT's compile inputs (tests: aot.cubin_compiler, aot.cubin_job);
-    a ``compile_fn`` without a ``job_fn`` compiles on the threads alone (the report says "thread")."""
+    a ``compile_fn`` without a ``job_fn`` compiles on the threads alone (the report says "thread").
+    ``procs``: workers started earlier (``start_workers``), used instead of starting ``workers`` new
+    ones and left open for their other users (they close when the last one lets go)."""
     if pool not in ("process", "thread"):
         raise ValueError(f"precompile: pool must be 'process' or 'thread', not {pool!r}")
     if compile_fn is not None and job_fn is None:
         pool = "thread"  # a replaced compile has no JIT inputs to hand the workers
     device = module.current_device
     compiles = compile_fn is not None or not (_env.interpreting() or device.type != "cuda")
-    limit = default_workers() if workers is None else max(1, int(workers))
+    prestarted = procs is not None and compiles and pool == "process" and not procs.closed
+    if not prestarted:
+        procs = None
+    limit = len(procs.procs) if prestarted else default_workers() if workers is None else max(1, int(workers))
     t0 = time.perf_counter()
     # Started first: their start-up (a Python, Triton and the kernels imported, the compiler warmed up
     # for this GPU) overlaps the recording.
-    procs = None
-    if compiles and pool == "process":
+    if compiles and pool == "process" and procs is None:
         procs = Workers(limit, warm_up=_target(device) if job_fn is None else getattr(job_fn, "target", None))
     try:
         recorded = record_step(module, indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        t_recorded = time.perf_counter()
         unique: dict = {}
         for r in recorded:
             unique.setdefault(r.site(device), r)
@@ -166,7 +181,8 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         names = tuple(_name(r) for r in chosen)
         workers = max(1, min(limit, len(chosen) or 1))
         if not compiles:
-            return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool)
+            return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool,
+                                    prestarted=prestarted)
         cache_device = device
         if compile_fn is None:
             cache_device = _launch_device(device)  # launch's and Triton's device key: an index
@@ -185,9 +201,10 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                 jobs = [job_fn(r) for r in chosen]
             worker_errors = procs.run([j for j in jobs if j is not None])
     finally:
-        if procs is not None:
+        if procs is not None and not prestarted:
             procs.close()
-    worker_seconds = time.perf_counter() - t0
+    t_compiled = time.perf_counter()
+    worker_seconds = t_compiled - t0
     compile_one = compile_fn or _warmup(cache_device)
     hits: list = []
     with _count_compiles(hits), ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as threads:
@@ -200,7 +217,9 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                             worker_seconds=worker_seconds if procs is not None else 0.0,
                             worker_errors=worker_errors, cache_hits=sum(hit for hit, _ in hits),
                             load_compiles=sum(not hit for hit, _ in hits),
-                            load_compiled=tuple(sorted(name for hit, name in hits if not hit)))
+                            load_compiled=tuple(sorted(name for hit, name in hits if not hit)),
+                            record_seconds=t_recorded - t0, compile_seconds=t_compiled - t_recorded,
+                            load_seconds=seconds - worker_seconds, prestarted=prestarted)
 
 
 def compile_order(launches: list, first: tuple) -> list:
@@ -302,8 +321,14 @@ class Workers:
 
         env = dict(os.environ, TRITON_CACHE_DIR=knobs.cache.dir, TRITON_INTERPRET="0")
         argv = [sys.executable, WORKER] + ([",".join(map(str, warm_up))] if warm_up else [])
+        self.warm_up = warm_up
         self._logs = tempfile.TemporaryDirectory(prefix="triton_tbe_precompile_")
         self.procs = []
+        # One run at a time: the workers of start_workers are shared by the modules of a process.
+        self._lock = threading.Lock()
+        # Closes the workers when this object goes (the last module holding started workers let go,
+        # or the interpreter exits) if close() did not run before; holds no reference to self.
+        self._finalizer = weakref.finalize(self, _close, self.procs, self._logs)
         try:
             for i in range(max(1, int(n))):
                 err = open(os.path.join(self._logs.name, f"{i}.err"), "w+b")
@@ -318,7 +343,17 @@ class Workers:
             self.close()
             raise
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def run(self, jobs: list) -> tuple:
+        if self.closed:
+            raise RuntimeError("Workers.run: the workers are closed")
+        with self._lock:
+            return self._run(jobs)
+
+    def _run(self, jobs: list) -> tuple:
         import selectors
 
         pending = list(reversed(jobs))
@@ -365,23 +400,73 @@ class Workers:
         return f"worker exited {rc}: {' '.join(tail)[:300]}"
 
     def close(self) -> None:
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                try:
-                    _send(proc.stdin, None)  # no more jobs
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
-                    pass
-        for proc, err in self.procs:
+        self._finalizer()
+
+
+def _close(procs: list, logs: tempfile.TemporaryDirectory) -> None:
+    """Ends ``Workers``' processes: each is told there are no more jobs (it exits), then waited for."""
+    for proc, _ in procs:
+        if proc.poll() is None:
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            for f in (proc.stdout, proc.stdin, err):
-                if f is not None and not f.closed:
-                    f.close()
-        self._logs.cleanup()
+                _send(proc.stdin, None)  # no more jobs
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+    for proc, err in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stdin, err):
+            if f is not None and not f.closed:
+                f.close()
+    logs.cleanup()
+
+
+# Workers started ahead of a precompile (start_workers), by target and count: alive while a module
+# holds them, so the modules of one process built one after another share one set.
+_STARTED: "weakref.WeakValueDictionary[tuple, Workers]" = weakref.WeakValueDictionary()
+_STARTED_LOCK = threading.Lock()
+
+
+def start_workers(device: torch.device, workers: Optional[int] = None) -> Optional[Workers]:
+    """Compile workers for a precompile still to come on ``device``, started now: their start-up (a
+    Python with Triton and the kernels imported, then the compiler's warm-up for this GPU: ~1 s on
+    the H200 host, docs/performance.md "Time to first step") then runs beside whatever the program
+    does before its first step, not inside it. While one set is alive, another call for the same
+    target and count returns it (the modules of one model share it); it closes once nothing holds it.
+    ``workers`` defaults as in ``precompile``. None where nothing would be compiled (not CUDA, or
+    Triton's interpreter)."""
+    if device.type != "cuda" or _env.interpreting():
+        return None
+    n = default_workers() if workers is None else max(1, int(workers))
+    key = (_target(device), n)
+    with _STARTED_LOCK:
+        procs = _STARTED.get(key)
+        if procs is None or procs.closed:
+            procs = Workers(n, warm_up=key[0])
+            _STARTED[key] = procs
+    return procs
+
+
+# The workers started for a module's precompile (hold_workers), kept here rather than on the module,
+# which copy.deepcopy and pickle must still take (a process handle is neither).
+_HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hold_workers(module, workers: Optional[int] = None) -> bool:
+    """Starts (or joins, ``start_workers``) the compile workers of ``module``'s first precompile and
+    keeps them until it runs (``release_workers``) or the module goes; whether any were started."""
+    procs = start_workers(module.current_device, workers)
+    if procs is not None:
+        _HELD[module] = procs
+    return procs is not None
+
+
+def release_workers(module) -> Optional[Workers]:
+    """The workers ``hold_workers`` started for ``module``, no longer held for it (None if none)."""
+    return _HELD.pop(module, None)
 
 
 def _send(pipe, obj) -> None:

@@ -55,6 +55,10 @@ def _build_module(kernel, config: GroupedEmbeddingConfig, device, pg, pooling_mo
     )
     kernel._emb_module.check_finite = kernel.options.check_finite
     kernel._emb_module.precompile_first_step = kernel.options.precompile
+    if kernel.options.precompile:
+        # Their start-up then overlaps the rest of the model's construction and the first batch's
+        # preparation instead of the first step.
+        kernel._emb_module.start_precompile_workers()
     kernel._optim = EmbeddingFusedOptimizer(config, kernel._emb_module, pg)
     kernel.init_parameters()
 
