@@ -4,6 +4,7 @@ step with both losses, and reports a match."""
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,20 @@ def test_demo_with_fp16_tables(capsys):
     assert "largest difference 0.0e+00" in out, out
 
 
+def test_demo_with_precompile_reports_each_kernels_precompile(capsys):
+    """--precompile: each Triton kernel module's first training step precompiles (under the interpreter
+    it compiles nothing, and the demo's line says so); training matches as without it."""
+    rc = torchrec_demo.main(SMALL + ["--precompile", "--sharding", "table_wise"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "precompile=True" in out and "MATCH" in out and "MISMATCH" not in out, out
+    lines = [line for line in out.splitlines() if line.startswith("precompile: ")]
+    # One line per kernel module: SMALL's SUM and MEAN tables are two groups.
+    assert len(lines) == 2 and all(
+        re.fullmatch(r"precompile: \d+ specializations, nothing compiled \(Triton's interpreter\)", line)
+        for line in lines), out
+
+
 def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
     """tools/demo_profile.py as `tools/device_session.sh demo-prod` runs it (a suite shape, a batch size,
     fp16 tables, --json), here on a tiny suite on the CPU: it once reached the device broken."""
@@ -127,7 +142,7 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--shape", "prod_tiny", "--suite", str(suite),
-         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--cprofile", "1", "--json", str(out)],
+         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--cprofile", "1", "--pipeline-rounds", "2", "--pipeline-block", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -143,6 +158,10 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
     assert res["graphs_after_timing"] == [[0, 0]]  # one module of ours, no graphs on a CPU
     diff = [v for _, v in res["cprofile_own_ms_per_step"]["triton_minus_fused"]]
     assert diff and [abs(v) for v in diff] == sorted((abs(v) for v in diff), reverse=True)
+    pipe = res["pipeline"]  # the pipelined loop's rounds, on two more models
+    assert (pipe["rounds"], pipe["block"]) == (2, 2) and pipe["fused_over_triton_median"] > 0, pipe
+    for name in ("fused", "triton"):
+        assert len(pipe[name]["ms"]) == 2 and 0 < pipe[name]["median_ms"] == statistics.median(pipe[name]["ms"])
 
 
 def test_demo_in_train_pipeline_base_matches(capsys):

@@ -510,6 +510,41 @@ def test_workers_compile_exactly_what_the_jit_then_looks_up(tmp_path):
     assert report["pinned"] and _real(report["pinned_errors"]) == [], report
 
 
+_HASHES = _JIT_JOBS[:_JIT_JOBS.index("jobs = [P._jit_job(r) for r in chosen]")] + r"""
+import sys
+if sys.argv[1] == "precompile":
+    # Jobs made in an order that reaches the long path's apply kernel before the short kernel (both
+    # call _apply_run): the order Triton 3.6 would otherwise hash them in.
+    jobs = P.jit_jobs(P.record_step(m, indices, offsets), chosen[::-1])
+    hashes = {j["name"]: j["cache_key"] for j in jobs}
+else:  # a plain step: each kernel hashed as the JIT first binds it, in launch order
+    for r in chosen:
+        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, num_warps=r.num_warps)
+    hashes = {r.kernel.fn.__name__: r.kernel.cache_key for r in chosen}
+print(json.dumps(hashes))
+"""
+
+
+def test_precompile_jobs_carry_the_hashes_a_plain_step_computes(tmp_path):
+    """Each job carries its kernel's source hash as a step without precompile computes it in a fresh
+    process, whatever order the jobs go out in: a Triton cache filled by either finds the other's
+    kernels (Triton 3.6 hashes three kernels by the order a process first hashed them in)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    runs = {}
+    for mode in ("precompile", "plain"):
+        proc = subprocess.run([sys.executable, "-c", _HASHES, mode], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "_backward_long_apply_kernel" in runs["plain"] and "_backward_short_kernel" in runs["plain"], runs
+    assert runs["precompile"] == runs["plain"]
+
+
 def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):
     """Workers that die (here: exit at start) fail their jobs by name; jobs no worker is left for are
     reported too, so the report accounts for every job the load phase then compiles itself."""

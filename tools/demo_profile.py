@@ -13,13 +13,20 @@ and host ops that take the most time. ``--cprofile N``: also N steps of each und
 host time without torch.profiler's hooks, which inflate Triton launches: docs/performance.md), the
 functions with the most own time per step, and those whose own time differs most between the two;
 and our modules' backward graph captures and replays after the warm-up and after the timed steps.
+``--pipeline-rounds R``: then, on two more models built for TorchRec's TrainPipelineSparseDist (the
+plain-loop models freed first), R interleaved rounds of ``--pipeline-block K`` (default 10)
+``progress()`` calls per model with one synchronize per block, not per step: the steady-state step
+time of a pipelined loop, where a step's GPU tail overlaps the next step's host work (the plain
+loop's per-step synchronize and loss read keep them apart).
 """
 
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
 import sys
+import time
 
 import torch
 
@@ -62,9 +69,40 @@ def cprofile_steps(dmp, opt, batches, setup, n: int) -> dict:
 
 def graph_counts(dmp) -> list:
     """(captures, replays) of each of our TBE modules' backward graphs (ops/graphs.py)."""
-    from torchrec_triton_tbe.plugin.two_d import _ours_below  # walks the lookups' plain lists too
+    from torchrec_triton_tbe.plugin import triton_tbe_modules
 
-    return [(m._backward_graphs.captures, m._backward_graphs.replays) for m in _ours_below(dmp)]
+    return [(m._backward_graphs.captures, m._backward_graphs.replays) for m in triton_tbe_modules(dmp)]
+
+
+def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rounds: int, block: int) -> dict:
+    """Median ms per step of each model in a pipelined loop (TrainPipelineSparseDist), ``block`` steps
+    per timing, ``rounds`` rounds alternating which model goes first (see the module docstring)."""
+    plan = demo._plan(demo._model(tables, setup, dense_in, True), tables, args.sharding, setup, True)
+    models = {
+        "fused": demo._dmp(tables, setup, demo._switch(plan, use_fused), sharder, dense_in, args.learning_rate, True),
+        "triton": demo._dmp(tables, setup, demo._switch(plan, lambda p: use_triton_tbe(p, options=options)), sharder,
+                            dense_in, args.learning_rate, True),
+    }
+    pipes = {name: demo._pipeline("pipeline", dmp, opt, setup.device) for name, (dmp, opt) in models.items()}
+    feeds = {name: itertools.cycle(demo._pipeline_batches(batches)) for name in pipes}
+    for name, pipe in pipes.items():  # warm-up: every batch twice
+        for _ in range(2 * len(batches)):
+            pipe.progress(feeds[name])
+    ms: dict = {name: [] for name in pipes}
+    names = list(pipes)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if setup.gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                pipes[name].progress(feeds[name])
+            if setup.gpu:
+                torch.cuda.synchronize()
+            ms[name].append((time.perf_counter() - t0) * 1e3 / block)
+    ratios = [f / t for f, t in zip(ms["fused"], ms["triton"])]
+    return {"rounds": rounds, "block": block, "fused_over_triton_median": statistics.median(ratios),
+            **{name: {"median_ms": statistics.median(v), "ms": v} for name, v in ms.items()}}
 
 
 def _take(argv: list, flag: str):
@@ -77,6 +115,8 @@ def _take(argv: list, flag: str):
 def main():
     argv, out_json = _take(sys.argv[1:], "--json")
     argv, cprofile_n = _take(argv, "--cprofile")
+    argv, pipeline_rounds = _take(argv, "--pipeline-rounds")
+    argv, pipeline_block = _take(argv, "--pipeline-block")
     gpu = torch.cuda.is_available()
     args = demo._parse(argv, gpu=gpu)
     setup = demo._init_process_group(gpu)
@@ -149,6 +189,16 @@ def main():
         print("triton - fused own ms per step: " + "; ".join(f"{k} {v:+.3f}" for k, v in diff[:12]))
     print(f"fused / triton per interleaved round: median {res['fused_over_triton_median']:.3f} over {args.steps} rounds "
           f"(> 1: ours faster)")
+    if pipeline_rounds:
+        models.clear()  # the plain-loop models' tables and state, before two more models are built
+        if setup.gpu:
+            torch.cuda.empty_cache()
+        pipe = pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, int(pipeline_rounds),
+                              int(pipeline_block or 10))
+        res["pipeline"] = pipe
+        print(f"pipelined loop (TrainPipelineSparseDist, one synchronize per {pipe['block']} steps): fused "
+              f"{pipe['fused']['median_ms']:.2f}, triton {pipe['triton']['median_ms']:.2f} ms/step; fused / triton "
+              f"per round: median {pipe['fused_over_triton_median']:.3f} over {pipe['rounds']} rounds")
     if out_json:
         with open(out_json, "w") as f:
             json.dump(res, f, indent=1)

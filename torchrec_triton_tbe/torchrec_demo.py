@@ -633,11 +633,11 @@ def cli() -> None:
 
 def _precompile_lines(model) -> List[str]:
     """Where each Triton kernel's precompile (--precompile: inside step 0) spent its time."""
-    from torchrec_triton_tbe.module import TritonTBE
+    from torchrec_triton_tbe.plugin import triton_tbe_modules
 
     lines = []
-    for m in model.modules():
-        r = getattr(m, "precompile_report", None) if isinstance(m, TritonTBE) else None
+    for m in triton_tbe_modules(model):
+        r = m.precompile_report
         if r is None:
             continue
         if not r.compiled:

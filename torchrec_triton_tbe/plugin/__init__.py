@@ -28,6 +28,7 @@ from torchrec_triton_tbe.plugin.sharder import (
 )
 from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES, install
 from torchrec_triton_tbe.plugin import two_d  # noqa: F401  (DMPCollection's replica sync covers our tables)
+from torchrec_triton_tbe.plugin.two_d import triton_tbe_modules
 
 __all__ = [
     "MARKER",
@@ -48,6 +49,7 @@ __all__ = [
     "install",
     "install_planner_support",
     "table_column_wise",
+    "triton_tbe_modules",
     "use_fused",
     "use_triton_tbe",
 ]

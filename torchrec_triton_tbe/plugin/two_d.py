@@ -69,6 +69,12 @@ def _ours_below(root: nn.Module) -> List[TritonTBE]:
     return [m for m in _walk(root, set()) if isinstance(m, TritonTBE)]
 
 
+def triton_tbe_modules(root: nn.Module) -> List[TritonTBE]:
+    """Every TritonTBE module under ``root`` (a DistributedModelParallel, a sharded collection), those
+    behind a sharded collection's lookups included, which ``root.modules()`` does not reach."""
+    return _ours_below(root)
+
+
 def _add_ours(dmp: DMPCollection, contexts) -> None:
     root = dmp._dmp_wrapped_module
     claimed: set = set()
