@@ -389,6 +389,25 @@ def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch
     assert all("AttributeError" in e for e in errors)
 
 
+def test_compile_workers_call_back_as_each_answer_arrives(tmp_path, monkeypatch):
+    """Workers.run's on_done(i) comes once per answered job, failed ones too, before run returns:
+    precompile loads each kernel from it while the other jobs still compile."""
+    from torchrec_triton_tbe.ops.precompile import Workers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
+               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    jobs = [dict(bad, name=f"_no_kernel_{i}") for i in range(4)]
+    done = []
+    procs = Workers(2)
+    try:
+        errors = procs.run(jobs, on_done=done.append)
+    finally:
+        procs.close()
+    assert sorted(done) == [0, 1, 2, 3], done
+    assert sorted(e.split(":")[0] for e in errors) == [j["name"] for j in jobs], errors
+
+
 def test_compile_workers_warm_up_for_the_target_outside_the_cache(tmp_path, monkeypatch):
     """Workers given a target compile a trivial kernel for it before their first job (its log says how
     long), into a scratch cache: the caller's Triton cache gets none of it. (Triton 3.6 also builds its
