@@ -182,7 +182,9 @@ def test_precompile_order_names_kernels_of_the_package(tmp_path):
     assert load_named("interpreter").precompile.compile_first == ()
     doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
     for section, match in (({"compile_first": "_backward_short_kernel"}, "must be a list of kernel names"),
-                           ({"first": []}, "unknown precompile keys")):
+                           ({"first": []}, "unknown precompile keys"),
+                           ({"load_threads": -1}, "load_threads must be an int >= 0"),
+                           ({"load_threads": 1.5}, "load_threads must be an int >= 0")):
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump({**doc, "precompile": section}))
         with pytest.raises(ValueError, match=match):

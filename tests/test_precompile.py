@@ -310,6 +310,11 @@ _PRESTARTED = _SMALL_STEP + r"""
 import gc
 from torchrec_triton_tbe import aot
 from torchrec_triton_tbe.ops.precompile import Workers, precompile
+import dataclasses
+cfg = m.spec.config  # the same module with one load thread (config precompile.load_threads)
+m = TritonTBE([(50, 8), (40, 128)], feature_table_map=[0, 1, 1], device="cpu",
+              optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+              kernel_config=dataclasses.replace(cfg, precompile=dataclasses.replace(cfg.precompile, load_threads=1)))
 job_fn = aot.cubin_job(90)
 procs = Workers(2, warm_up=job_fn.target)   # as start_workers does, before the module's first step
 report = precompile(m, indices, offsets, compile_fn=aot.cubin_compiler(90), pool="process", job_fn=job_fn,
@@ -320,7 +325,8 @@ del procs
 gc.collect()
 print(json.dumps({"specializations": report.specializations, "cache_hits": report.cache_hits,
                   "load_compiles": report.load_compiles, "prestarted": report.prestarted,
-                  "workers": report.workers, "worker_errors": list(report.worker_errors),
+                  "workers": report.workers, "load_threads": report.load_threads,
+                  "worker_errors": list(report.worker_errors),
                   "phases": [report.record_seconds, report.compile_seconds, report.load_seconds],
                   "seconds": report.seconds, "open_after": open_after,
                   "exit_codes": [p.poll() for p in children]}))
@@ -331,7 +337,7 @@ def test_precompile_on_workers_started_before_it_leaves_them_to_their_holder(tmp
     """Workers started ahead of the step (the plugin starts them with the module) compile its jobs as
     workers started by precompile would: every load is a cache hit. precompile leaves them open (other
     modules may share them, ops/precompile.start_workers); they end when the last reference goes. The
-    report's phases add up to its total."""
+    report's phases add up to its total; the config's precompile.load_threads sets the load threads."""
     import json
     import os
     import subprocess
@@ -342,6 +348,7 @@ def test_precompile_on_workers_started_before_it_leaves_them_to_their_holder(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["prestarted"] and report["workers"] == 2 and _real(report["worker_errors"]) == [], report
+    assert report["load_threads"] == 1, report
     assert report["cache_hits"] == report["specializations"] >= 8 and report["load_compiles"] == 0, report
     assert report["open_after"] and report["exit_codes"] == [0, 0], report
     assert all(t > 0 for t in report["phases"]) and sum(report["phases"]) == pytest.approx(report["seconds"]), report

@@ -20,6 +20,8 @@
 #   first-step-ab  the demo's cold first step with --precompile on the tree of another commit (.ab/<commit>,
 #               AB_COMMIT, as for ab) and on this tree, FIRST_STEP_PROCS (default 2) fresh processes and
 #               caches each, interleaved; then this tree's step 0 on a warm cache with and without --precompile
+#   first-step-variants  the demo's first step with --precompile under configs/sm90.yaml (cold) and under each of
+#               VARIANTS (tools/config_variants.py), warm on the first run's cache, then cold on fresh ones
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
@@ -69,6 +71,14 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f /tmp/sm90_swept.yaml ] && cp /tmp/sm90_swept.yaml configs/sm90.yaml
 keep() { cp configs/sm90.yaml /tmp/sm90_swept.yaml; cp configs/sm90.yaml "$OUT/sm90.yaml"; }
 quiet() { grep -v "_fbgemm_torch_compat_table\|cannot determine compat\|^ *$\|\[0m\|\[33m\|^WARNING:root:$"; }
+# The TorchRec demo's step 0 (first-step-ab, first-step-variants): tag, tree (python -m imports from the
+# working directory first), Triton cache dir, extra demo flags; the log goes to $OUT/first_step_<tag>.log.
+step0() {
+  local log="$OUT/first_step_$1.log"; echo "$1:"
+  (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout 200 python -m torchrec_triton_tbe.torchrec_demo \
+    --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
+  grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |^precompile:|MATCH" "$log" | cut -c1-300 || quiet < "$log" | tail -6
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 for step in "$@"; do
   echo "== $step"
@@ -121,12 +131,6 @@ for step in "$@"; do
       base=.ab/${AB_COMMIT:-}
       [ -n "${AB_COMMIT:-}" ] && [ -d "$base/torchrec_triton_tbe" ] || {
         echo "first-step-ab: no $base/torchrec_triton_tbe (set AB_COMMIT, make the tree as for ab, carry .ab)"; continue; }
-      step0() {  # tag, tree (python -m imports from the working directory first), cache dir, extra demo flags
-        local log="$OUT/first_step_ab_$1.log"; echo "$1:"
-        (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout 200 python -m torchrec_triton_tbe.torchrec_demo \
-          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
-        grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |^precompile:|MATCH" "$log" | cut -c1-300 || quiet < "$log" | tail -6
-      }
       warm=$(mktemp -d)
       for i in $(seq "${FIRST_STEP_PROCS:-2}"); do
         step0 "base_$i" "$PWD/$base" "$(mktemp -d)" --precompile
@@ -134,6 +138,19 @@ for step in "$@"; do
         step0 "this_$i" "$PWD" "$c" --precompile
       done
       step0 warm_precompile "$PWD" "$warm" --precompile; step0 warm_plain "$PWD" "$warm" ;;
+    first-step-variants)
+      # configs/sm90.yaml first, cold (its cache is then the warm one), then each of VARIANTS warm on it,
+      # then each cold on a fresh cache; every run --precompile.
+      [ -n "$VARIANTS" ] || { echo "first-step-variants: set VARIANTS (name=section.key:value,...)"; continue; }
+      files=$(python tools/config_variants.py --prefix /tmp/fsv_ $VARIANTS) || continue
+      warm=$(mktemp -d)
+      step0 sm90_cold "$PWD" "$warm" --precompile; step0 sm90_warm "$PWD" "$warm" --precompile
+      for cfg in $files; do
+        TORCHREC_TRITON_TBE_CONFIG=$cfg step0 "$(basename "$cfg" .yaml)_warm" "$PWD" "$warm" --precompile
+      done
+      for cfg in $files; do
+        TORCHREC_TRITON_TBE_CONFIG=$cfg step0 "$(basename "$cfg" .yaml)_cold" "$PWD" "$(mktemp -d)" --precompile
+      done ;;
     sweep-fp32)
       python tools/sweep.py --part bwd --shapes fp32 --weights fp32 --grid tile=4,8,16 num_warps=1,2,4 \
         programs_per_sm=32 waves=1 --json "$OUT/sweep_bwd_fp32.json" 2>&1 | quiet | grep -v "^bwd" ;;

@@ -206,17 +206,22 @@ def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
 class PrecompileConfig:
     """``TritonTBE.precompile`` (ops/precompile.py): ``compile_first`` names the kernels whose compile
     jobs go out to the workers first, in this order (widest BLOCK_D first within one), the rest
-    following in recording order. Kernel names, not a measure of the GPU: compile time is host work."""
+    following in recording order. Kernel names, not a measure of the GPU: compile time is host work.
+    ``load_threads``: the threads that load the compiled kernels (0: one per worker). Host work too."""
 
     compile_first: tuple = ()
+    load_threads: int = 0
 
 
 def _precompile(d: Mapping[str, Any], where: str) -> PrecompileConfig:
-    _refuse_unknown(d, {"compile_first"}, "precompile ", where)
+    _refuse_unknown(d, {"compile_first", "load_threads"}, "precompile ", where)
     first = d.get("compile_first") or []
     if not isinstance(first, (list, tuple)) or not all(isinstance(n, str) for n in first):
         raise ValueError(f"invalid kernel config {where}: precompile.compile_first must be a list of kernel names")
-    return PrecompileConfig(compile_first=tuple(first))
+    threads = d.get("load_threads", 0)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"invalid kernel config {where}: precompile.load_threads must be an int >= 0, got {threads!r}")
+    return PrecompileConfig(compile_first=tuple(first), load_threads=threads)
 
 
 # Resident thread blocks per SM, by compute capability (CUDA occupancy tables; 32 on sm_80/90/100).

@@ -83,6 +83,7 @@ class PrecompileReport:
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
     prestarted: bool = False  # the workers were started before this call (start_workers)
+    load_threads: int = 0  # the threads that loaded (or, pool "thread", compiled) the kernels
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -181,6 +182,12 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         chosen = compile_order(list(unique.values()), module.spec.config.precompile.compile_first)
         names = tuple(_name(r) for r in chosen)
         workers = max(1, min(limit, len(chosen) or 1))
+        # Loads are host work that mostly holds the GIL (the JIT's binding and cache lookup, the module
+        # load, the launcher): more threads need not load faster. Threads that compile (no workers)
+        # release it in the compiler's passes: one per worker.
+        threads_n = workers
+        if procs is not None and module.spec.config.precompile.load_threads:
+            threads_n = max(1, min(module.spec.config.precompile.load_threads, workers))
         if not compiles:
             return PrecompileReport(len(recorded), len(chosen), names, workers, 0.0, compiled=False, pool=pool,
                                     prestarted=prestarted)
@@ -196,7 +203,7 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         compile_one = compile_fn or _warmup(cache_device)
         worker_errors: tuple = ()
         hits: list = []
-        with _count_compiles(hits), ThreadPoolExecutor(workers, thread_name_prefix="triton_tbe_precompile") as threads:
+        with _count_compiles(hits), ThreadPoolExecutor(threads_n, thread_name_prefix="triton_tbe_precompile") as threads:
             # Each kernel is loaded (through the JIT: a cache hit, its module loaded, its launcher
             # built) as soon as its job is back, on the threads, while the workers compile the rest:
             # the loads took 0.7 s of a 3.4 s precompile when they waited for the last job (H200,
@@ -238,7 +245,7 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                             load_compiles=sum(not hit for hit, _ in hits),
                             load_compiled=tuple(sorted(name for hit, name in hits if not hit)),
                             record_seconds=t_recorded - t0, compile_seconds=t_compiled - t_recorded,
-                            load_seconds=seconds - worker_seconds, prestarted=prestarted)
+                            load_seconds=seconds - worker_seconds, prestarted=prestarted, load_threads=threads_n)
 
 
 def compile_order(launches: list, first: tuple) -> list:
