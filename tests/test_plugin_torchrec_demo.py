@@ -142,7 +142,8 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--shape", "prod_tiny", "--suite", str(suite),
-         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--cprofile", "1", "--pipeline-rounds", "2", "--pipeline-block", "2", "--json", str(out)],
+         "--batch-size", "4", "--weights", "fp16", "--steps", "2", "--cprofile", "1", "--pipeline-rounds", "2",
+         "--pipeline-block", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

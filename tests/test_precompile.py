@@ -326,6 +326,7 @@ gc.collect()
 print(json.dumps({"specializations": report.specializations, "cache_hits": report.cache_hits,
                   "load_compiles": report.load_compiles, "prestarted": report.prestarted,
                   "workers": report.workers, "load_threads": report.load_threads,
+                  "job_seconds": [list(j) for j in report.job_seconds], "kernels": list(report.kernels),
                   "worker_errors": list(report.worker_errors),
                   "phases": [report.record_seconds, report.compile_seconds, report.load_seconds],
                   "seconds": report.seconds, "open_after": open_after,
@@ -349,6 +350,9 @@ def test_precompile_on_workers_started_before_it_leaves_them_to_their_holder(tmp
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["prestarted"] and report["workers"] == 2 and _real(report["worker_errors"]) == [], report
     assert report["load_threads"] == 1, report
+    # one time per job, each a kernel of the step: every specialization went to a worker here
+    assert sorted(n for n, _ in report["job_seconds"]) == sorted(report["kernels"]), report
+    assert all(t > 0 for _, t in report["job_seconds"]), report
     assert report["cache_hits"] == report["specializations"] >= 8 and report["load_compiles"] == 0, report
     assert report["open_after"] and report["exit_codes"] == [0, 0], report
     assert all(t > 0 for t in report["phases"]) and sum(report["phases"]) == pytest.approx(report["seconds"]), report
@@ -397,8 +401,9 @@ def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch
 
 
 def test_compile_workers_call_back_as_each_answer_arrives(tmp_path, monkeypatch):
-    """Workers.run's on_done(i) comes once per answered job, failed ones too, before run returns:
-    precompile loads each kernel from it while the other jobs still compile."""
+    """Workers.run's on_done(i, seconds) comes once per answered job, failed ones too, before run
+    returns, with the worker's time on it: precompile loads each kernel from it while the other jobs
+    still compile, and reports the times."""
     from torchrec_triton_tbe.ops.precompile import Workers
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -408,10 +413,10 @@ def test_compile_workers_call_back_as_each_answer_arrives(tmp_path, monkeypatch)
     done = []
     procs = Workers(2)
     try:
-        errors = procs.run(jobs, on_done=done.append)
+        errors = procs.run(jobs, on_done=lambda i, seconds: done.append((i, seconds)))
     finally:
         procs.close()
-    assert sorted(done) == [0, 1, 2, 3], done
+    assert sorted(i for i, _ in done) == [0, 1, 2, 3] and all(s >= 0 for _, s in done), done
     assert sorted(e.split(":")[0] for e in errors) == [j["name"] for j in jobs], errors
 
 

@@ -643,10 +643,13 @@ def _precompile_lines(model) -> List[str]:
         if not r.compiled:
             lines.append(f"precompile: {r.specializations} specializations, nothing compiled (Triton's interpreter)")
             continue
+        jobs = [t for _, t in r.job_seconds]
+        timed = f" (jobs: {sum(jobs):.2f} s in all, longest {max(jobs):.2f} s)" if jobs else ""
         lines.append(
             f"precompile: {r.specializations} specializations in {r.seconds:.2f} s: dry run {r.record_seconds:.2f} s, "
             f"compile {r.compile_seconds:.2f} s on {r.workers} {'pre-started ' if r.prestarted else ''}"
-            f"{'processes' if r.pool == 'process' else 'threads'}, load {r.load_seconds:.2f} s more on {r.load_threads} threads "
+            f"{'processes' if r.pool == 'process' else 'threads'}{timed}, "
+            f"load {r.load_seconds:.2f} s more on {r.load_threads} threads "
             f"({r.cache_hits} cache hits, {r.load_compiles} compiled again"
             + (f", {len(r.worker_errors)} worker errors: {r.worker_errors[0]}" if r.worker_errors else "") + ")")
     return lines

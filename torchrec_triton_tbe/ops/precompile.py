@@ -28,8 +28,9 @@ How:
 3. Load on threads. Each specialization then goes through the JIT for real (``JITFunction.warmup``:
    its binder, its cache key, its on-disk cache, now a hit; a job a worker failed is compiled here),
    with the kernel's module loaded and its launcher built (``_init_handles``), on a thread pool with
-   the module's device current in each thread, as soon as its job is back from a worker. The report counts the loads that hit the cache and
-   names the kernels that did not. ``pool="thread"`` skips step 2 and compiles on the threads.
+   the module's device current in each thread, as soon as its job is back from a worker. The report
+   counts the loads that hit the cache and names the kernels that did not. ``pool="thread"`` skips
+   step 2 and compiles on the threads.
 4. Hand over. Each compiled kernel goes into ``launch``'s cache under the key the real launch will look
    up (``launch.remember``), so the step finds it without Triton's per-call binding.
 
@@ -78,12 +79,14 @@ class PrecompileReport:
     load_compiles: int = 0  # load-phase compiles that did not (a worker's miss: compiled on the threads)
     load_compiled: tuple = ()  # their kernels' names
     # The phases of ``seconds``: the dry run; the workers' jobs, made and compiled (each job's load runs
-    # on the threads as soon as it is back); what is left of the loads after the last job.
+    # on the threads as soon as it is back); what is left of the loads after the last job (pool
+    # "thread": the threads' compiles, all of them).
     record_seconds: float = 0.0
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
     prestarted: bool = False  # the workers were started before this call (start_workers)
     load_threads: int = 0  # the threads that loaded (or, pool "thread", compiled) the kernels
+    job_seconds: tuple = ()  # (kernel, seconds) per job a worker answered, in answer order, its own timing
 
 
 def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
@@ -203,12 +206,14 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         compile_one = compile_fn or _warmup(cache_device)
         worker_errors: tuple = ()
         hits: list = []
-        with _count_compiles(hits), ThreadPoolExecutor(threads_n, thread_name_prefix="triton_tbe_precompile") as threads:
+        pool_threads = ThreadPoolExecutor(threads_n, thread_name_prefix="triton_tbe_precompile")
+        with _count_compiles(hits), pool_threads as threads:
             # Each kernel is loaded (through the JIT: a cache hit, its module loaded, its launcher
             # built) as soon as its job is back, on the threads, while the workers compile the rest:
             # the loads took 0.7 s of a 3.4 s precompile when they waited for the last job (H200,
             # prod_t40_b16k, session 29).
             loads: list = [None] * len(chosen)
+            compile_times: list = []  # (kernel, seconds) per answered job, as the workers timed it
 
             def load(k: int) -> None:
                 loads[k] = threads.submit(compile_one, chosen[k])
@@ -223,7 +228,12 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                 for k, job in enumerate(jobs):
                     if job is None:  # nothing for a worker to compile: load it now
                         load(k)
-                worker_errors = procs.run([jobs[k] for k in sent], on_done=lambda i: load(sent[i]))
+
+                def answered(i: int, job_seconds: float) -> None:
+                    compile_times.append((_name(chosen[sent[i]]), job_seconds))
+                    load(sent[i])
+
+                worker_errors = procs.run([jobs[k] for k in sent], on_done=answered)
                 if not prestarted:
                     procs.close()  # while the last loads run
             t_compiled = time.perf_counter()
@@ -245,7 +255,8 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                             load_compiles=sum(not hit for hit, _ in hits),
                             load_compiled=tuple(sorted(name for hit, name in hits if not hit)),
                             record_seconds=t_recorded - t0, compile_seconds=t_compiled - t_recorded,
-                            load_seconds=seconds - worker_seconds, prestarted=prestarted, load_threads=threads_n)
+                            load_seconds=seconds - worker_seconds, prestarted=prestarted, load_threads=threads_n,
+                            job_seconds=tuple(compile_times))
 
 
 def compile_order(launches: list, first: tuple) -> list:
@@ -389,16 +400,17 @@ class Workers:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def run(self, jobs: list, on_done: Optional[Callable[[int], None]] = None) -> tuple:
-        """Compiles ``jobs``; returns "kernel: error" per job that failed. ``on_done(i)`` is called on
-        this thread as job ``i``'s answer arrives, success or error (not for jobs that never got one:
-        a worker died with them, or none was left); the caller then loads the kernel."""
+    def run(self, jobs: list, on_done: Optional[Callable[[int, float], None]] = None) -> tuple:
+        """Compiles ``jobs``; returns "kernel: error" per job that failed. ``on_done(i, seconds)`` is
+        called on this thread as job ``i``'s answer arrives, success or error, with the seconds the
+        worker spent on it (not for jobs that never got one: a worker died with them, or none was
+        left); the caller then loads the kernel."""
         if self.closed:
             raise RuntimeError("Workers.run: the workers are closed")
         with self._lock:
             return self._run(jobs, on_done)
 
-    def _run(self, jobs: list, on_done: Optional[Callable[[int], None]]) -> tuple:
+    def _run(self, jobs: list, on_done: Optional[Callable[[int, float], None]]) -> tuple:
         import selectors
 
         pending = list(reversed(range(len(jobs))))
@@ -432,7 +444,7 @@ class Workers:
                 if result[1] is not None:
                     errors.append(f"{jobs[k]['name']}: {result[1]}")
                 if on_done is not None:
-                    on_done(k)
+                    on_done(k, result[0])
                 feed(i)
         sel.close()
         # Every worker died: what is left is compiled by the load phase, and said here.
