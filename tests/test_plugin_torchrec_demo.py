@@ -160,9 +160,16 @@ def test_demo_profile_tool_runs_as_the_device_session_calls_it(tmp_path):
     diff = [v for _, v in res["cprofile_own_ms_per_step"]["triton_minus_fused"]]
     assert diff and [abs(v) for v in diff] == sorted((abs(v) for v in diff), reverse=True)
     pipe = res["pipeline"]  # the pipelined loop's rounds, on two more models
-    assert (pipe["rounds"], pipe["block"]) == (2, 2) and pipe["fused_over_triton_median"] > 0, pipe
+    assert (pipe["rounds"], pipe["block"], pipe["pinned"]) == (2, 2, False) and pipe["fused_over_triton_median"] > 0
     for name in ("fused", "triton"):
         assert len(pipe[name]["ms"]) == 2 and 0 < pipe[name]["median_ms"] == statistics.median(pipe[name]["ms"])
+
+
+def test_demo_profile_pinned_batches_need_a_gpu():
+    """--pipeline-pinned on a machine without CUDA: refused up front, before any model is built."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "demo_profile.py"), "--pipeline-rounds", "1",
+                           "--pipeline-pinned"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "pinned host memory needs CUDA" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_demo_in_train_pipeline_base_matches(capsys):

@@ -17,7 +17,10 @@ and our modules' backward graph captures and replays after the warm-up and after
 plain-loop models freed first), R interleaved rounds of ``--pipeline-block K`` (default 10)
 ``progress()`` calls per model with one synchronize per block, not per step: the steady-state step
 time of a pipelined loop, where a step's GPU tail overlaps the next step's host work (the plain
-loop's per-step synchronize and loss read keep them apart).
+loop's per-step synchronize and loss read keep them apart). The pipeline copies each batch to the GPU
+inside ``progress()``; from pageable host memory that copy does not overlap anything.
+``--pipeline-pinned``: the batches in pinned memory instead, as a DataLoader with ``pin_memory=True``
+hands them over (a GPU only).
 """
 
 import cProfile
@@ -74,7 +77,8 @@ def graph_counts(dmp) -> list:
     return [(m._backward_graphs.captures, m._backward_graphs.replays) for m in triton_tbe_modules(dmp)]
 
 
-def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rounds: int, block: int) -> dict:
+def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rounds: int, block: int,
+                   pinned: bool = False) -> dict:
     """Median ms per step of each model in a pipelined loop (TrainPipelineSparseDist), ``block`` steps
     per timing, ``rounds`` rounds alternating which model goes first (see the module docstring)."""
     plan = demo._plan(demo._model(tables, setup, dense_in, True), tables, args.sharding, setup, True)
@@ -84,7 +88,10 @@ def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rou
                             dense_in, args.learning_rate, True),
     }
     pipes = {name: demo._pipeline("pipeline", dmp, opt, setup.device) for name, (dmp, opt) in models.items()}
-    feeds = {name: itertools.cycle(demo._pipeline_batches(batches)) for name in pipes}
+    feed = demo._pipeline_batches(batches)
+    if pinned:
+        feed = [b.pin_memory() for b in feed]
+    feeds = {name: itertools.cycle(feed) for name in pipes}
     for name, pipe in pipes.items():  # warm-up: every batch twice
         for _ in range(2 * len(batches)):
             pipe.progress(feeds[name])
@@ -101,7 +108,7 @@ def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rou
                 torch.cuda.synchronize()
             ms[name].append((time.perf_counter() - t0) * 1e3 / block)
     ratios = [f / t for f, t in zip(ms["fused"], ms["triton"])]
-    return {"rounds": rounds, "block": block, "fused_over_triton_median": statistics.median(ratios),
+    return {"rounds": rounds, "block": block, "pinned": pinned, "fused_over_triton_median": statistics.median(ratios),
             **{name: {"median_ms": statistics.median(v), "ms": v} for name, v in ms.items()}}
 
 
@@ -117,7 +124,11 @@ def main():
     argv, cprofile_n = _take(argv, "--cprofile")
     argv, pipeline_rounds = _take(argv, "--pipeline-rounds")
     argv, pipeline_block = _take(argv, "--pipeline-block")
+    pinned = "--pipeline-pinned" in argv
+    argv = [a for a in argv if a != "--pipeline-pinned"]
     gpu = torch.cuda.is_available()
+    if pinned and not gpu:
+        raise SystemExit("--pipeline-pinned: pinned host memory needs CUDA; run it on a GPU")
     args = demo._parse(argv, gpu=gpu)
     setup = demo._init_process_group(gpu)
     torch.manual_seed(args.seed)
@@ -194,9 +205,10 @@ def main():
         if setup.gpu:
             torch.cuda.empty_cache()
         pipe = pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, int(pipeline_rounds),
-                              int(pipeline_block or 10))
+                              int(pipeline_block or 10), pinned)
         res["pipeline"] = pipe
-        print(f"pipelined loop (TrainPipelineSparseDist, one synchronize per {pipe['block']} steps): fused "
+        print(f"pipelined loop (TrainPipelineSparseDist, one synchronize per {pipe['block']} steps, "
+              f"{'pinned' if pinned else 'pageable'} batches): fused "
               f"{pipe['fused']['median_ms']:.2f}, triton {pipe['triton']['median_ms']:.2f} ms/step; fused / triton "
               f"per round: median {pipe['fused_over_triton_median']:.3f} over {pipe['rounds']} rounds")
     if out_json:
