@@ -184,7 +184,8 @@ def test_precompile_order_names_kernels_of_the_package(tmp_path):
     for section, match in (({"compile_first": "_backward_short_kernel"}, "must be a list of kernel names"),
                            ({"first": []}, "unknown precompile keys"),
                            ({"load_threads": -1}, "load_threads must be an int >= 0"),
-                           ({"load_threads": 1.5}, "load_threads must be an int >= 0")):
+                           ({"load_threads": 1.5}, "load_threads must be an int >= 0"),
+                           ({"max_workers": -2}, "max_workers must be an int >= 0")):
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump({**doc, "precompile": section}))
         with pytest.raises(ValueError, match=match):

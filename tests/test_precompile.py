@@ -358,6 +358,28 @@ def test_precompile_on_workers_started_before_it_leaves_them_to_their_holder(tmp
     assert all(t > 0 for t in report["phases"]) and sum(report["phases"]) == pytest.approx(report["seconds"]), report
 
 
+def test_default_workers_share_the_host_between_the_jobs_processes(monkeypatch):
+    """One compile worker per CPU share: the CPUs over the job's processes on this host, as torchrun,
+    Open MPI, MPICH or srun says (the first that does), at most the config's max_workers."""
+    import os
+
+    from torchrec_triton_tbe.ops import precompile as pre
+
+    for name in pre._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert pre.local_processes() == 1 and pre.default_workers() == 64 and pre.default_workers(16) == 16
+    for name, value, local in (("SLURM_NTASKS_PER_NODE", "8(x2)", 8), ("MPI_LOCALNRANKS", "4", 4),
+                               ("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 2), ("LOCAL_WORLD_SIZE", "16", 16)):
+        monkeypatch.setenv(name, value)  # each set on top of the last: the earlier names win
+        assert pre.local_processes() == local, name
+        assert pre.default_workers() == 64 // local and pre.default_workers(3) == min(3, 64 // local), name
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a count")  # unreadable: the next launcher's word
+    assert pre.local_processes() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert pre.default_workers() == 1  # never none
+
+
 def test_started_workers_are_shared_while_held_and_end_when_let_go(monkeypatch):
     """start_workers: one set per (target, count) while something holds it, a new set after it went;
     nothing started where nothing compiles (a CPU module, Triton's interpreter): hold_workers says so."""

@@ -207,21 +207,26 @@ class PrecompileConfig:
     """``TritonTBE.precompile`` (ops/precompile.py): ``compile_first`` names the kernels whose compile
     jobs go out to the workers first, in this order (widest BLOCK_D first within one), the rest
     following in recording order. Kernel names, not a measure of the GPU: compile time is host work.
-    ``load_threads``: the threads that load the compiled kernels (0: one per worker). Host work too."""
+    ``load_threads``: the threads that load the compiled kernels (0: one per worker); ``max_workers``:
+    at most this many compile processes (0: one per CPU share). Host work too."""
 
     compile_first: tuple = ()
     load_threads: int = 0
+    max_workers: int = 0
 
 
 def _precompile(d: Mapping[str, Any], where: str) -> PrecompileConfig:
-    _refuse_unknown(d, {"compile_first", "load_threads"}, "precompile ", where)
+    _refuse_unknown(d, {"compile_first", "load_threads", "max_workers"}, "precompile ", where)
     first = d.get("compile_first") or []
     if not isinstance(first, (list, tuple)) or not all(isinstance(n, str) for n in first):
         raise ValueError(f"invalid kernel config {where}: precompile.compile_first must be a list of kernel names")
-    threads = d.get("load_threads", 0)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"invalid kernel config {where}: precompile.load_threads must be an int >= 0, got {threads!r}")
-    return PrecompileConfig(compile_first=tuple(first), load_threads=threads)
+    counts = {}
+    for key in ("load_threads", "max_workers"):
+        value = d.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"invalid kernel config {where}: precompile.{key} must be an int >= 0, got {value!r}")
+        counts[key] = value
+    return PrecompileConfig(compile_first=tuple(first), **counts)
 
 
 # Resident thread blocks per SM, by compute capability (CUDA occupancy tables; 32 on sm_80/90/100).

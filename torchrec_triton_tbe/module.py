@@ -347,10 +347,11 @@ class TritonTBE(nn.Module):
                    batch_size_per_feature_per_rank: Optional[list[list[int]]] = None,
                    workers: Optional[int] = None, pool: str = "process"):
         """Compiles every kernel specialization a training step on this batch launches, on ``workers``
-        processes at once (``pool="thread"``: threads; default: this process's CPUs over
-        $LOCAL_WORLD_SIZE), before the step: the step then launches kernels already compiled instead of
-        compiling them one after another (ops/precompile.py). Weights,
-        optimizer state and the step counter are unchanged; returns a ``PrecompileReport``. Another
+        processes at once (``pool="thread"``: threads; default: this process's CPUs over the job's
+        processes on this host, at most configs' ``precompile.max_workers``), before the step: the
+        step then launches kernels already compiled instead of compiling them one after another
+        (ops/precompile.py). Weights, optimizer state and the step counter are unchanged; returns a
+        ``PrecompileReport``. Another
         batch shape may need a few more specializations (other bag lengths, batch sizes); those compile
         on first use as without this call. Nothing to compile under Triton's interpreter."""
         from torchrec_triton_tbe.ops import precompile as precompile_ops

@@ -153,10 +153,10 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
                pool: str = "process", job_fn: Optional[Callable] = None,
                procs: Optional["Workers"] = None) -> PrecompileReport:
     """Records one training step of ``module`` on this batch (``record_step``), compiles its distinct
-    kernel specializations on ``workers`` processes and loads them on as many threads (``pool``
-    "process"), or compiles them on the threads (``pool`` "thread"). ``workers`` defaults to the CPUs
-    this process may use, divided by $LOCAL_WORLD_SIZE when a launcher set it (one process per GPU
-    sharing the host's cores). ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup``
+    kernel specializations on ``workers`` processes and loads them on threads (``pool`` "process"), or
+    compiles them on the threads (``pool`` "thread"). ``workers`` defaults to the CPUs this process may
+    use over the job's processes on this host (``local_processes``: one per GPU sharing the host's
+    cores), at most configs' ``precompile.max_workers``. ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup``
     and ``job_fn(launch) -> job`` the JIT's compile inputs (tests: aot.cubin_compiler, aot.cubin_job);
     a ``compile_fn`` without a ``job_fn`` compiles on the threads alone (the report says "thread").
     ``procs``: workers started earlier (``start_workers``), used instead of starting ``workers`` new
@@ -170,7 +170,8 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     prestarted = procs is not None and compiles and pool == "process" and not procs.closed
     if not prestarted:
         procs = None
-    limit = len(procs.procs) if prestarted else default_workers() if workers is None else max(1, int(workers))
+    cap = module.spec.config.precompile.max_workers
+    limit = len(procs.procs) if prestarted else default_workers(cap) if workers is None else max(1, int(workers))
     t0 = time.perf_counter()
     # Started first: their start-up (a Python, Triton and the kernels imported, the compiler warmed up
     # for this GPU) overlaps the recording.
@@ -288,13 +289,27 @@ def _target(device: torch.device) -> Optional[tuple]:
     return (target.backend, target.arch, target.warp_size)
 
 
-def default_workers() -> int:
+# What launchers say about the processes of one job on this host: torchrun, Open MPI, MPICH / Intel
+# MPI, SLURM's srun (--ntasks-per-node; "8" or "8(x2)").
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def local_processes() -> int:
+    """The processes this job runs on this host, from the first launcher variable that says (1 when
+    none does): each of them may precompile at once, so they share the host's cores."""
+    for name in _LOCAL_SIZE_VARS:
+        value = os.environ.get(name, "").split("(")[0].split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def default_workers(cap: int = 0) -> int:
+    """The CPUs this process may use over the job's processes on this host (``local_processes``), at
+    most ``cap`` (configs' ``precompile.max_workers``; 0: no cap)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return max(1, cpus // max(1, local))
+    n = max(1, cpus // local_processes())
+    return min(n, cap) if cap > 0 else n
 
 
 def _name(r: launch_ops.Launch) -> str:
@@ -489,17 +504,17 @@ _STARTED: "weakref.WeakValueDictionary[tuple, Workers]" = weakref.WeakValueDicti
 _STARTED_LOCK = threading.Lock()
 
 
-def start_workers(device: torch.device, workers: Optional[int] = None) -> Optional[Workers]:
+def start_workers(device: torch.device, workers: Optional[int] = None, cap: int = 0) -> Optional[Workers]:
     """Compile workers for a precompile still to come on ``device``, started now: their start-up (a
     Python with Triton and the kernels imported, then the compiler's warm-up for this GPU: ~1 s on
     the H200 host, docs/performance.md "Time to first step") then runs beside whatever the program
     does before its first step, not inside it. While one set is alive, another call for the same
     target and count returns it (the modules of one model share it); it closes once nothing holds it.
-    ``workers`` defaults as in ``precompile``. None where nothing would be compiled (not CUDA, or
-    Triton's interpreter)."""
+    ``workers`` defaults as in ``precompile`` (``default_workers(cap)``). None where nothing would be
+    compiled (not CUDA, or Triton's interpreter)."""
     if device.type != "cuda" or _env.interpreting():
         return None
-    n = default_workers() if workers is None else max(1, int(workers))
+    n = default_workers(cap) if workers is None else max(1, int(workers))
     key = (_target(device), n)
     with _STARTED_LOCK:
         procs = _STARTED.get(key)
@@ -517,7 +532,7 @@ _HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def hold_workers(module, workers: Optional[int] = None) -> bool:
     """Starts (or joins, ``start_workers``) the compile workers of ``module``'s first precompile and
     keeps them until it runs (``release_workers``) or the module goes; whether any were started."""
-    procs = start_workers(module.current_device, workers)
+    procs = start_workers(module.current_device, workers, module.spec.config.precompile.max_workers)
     if procs is not None:
         _HELD[module] = procs
     return procs is not None
