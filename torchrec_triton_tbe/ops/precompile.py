@@ -156,9 +156,10 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     kernel specializations on ``workers`` processes and loads them on threads (``pool`` "process"), or
     compiles them on the threads (``pool`` "thread"). ``workers`` defaults to the CPUs this process may
     use over the job's processes on this host (``local_processes``: one per GPU sharing the host's
-    cores), at most configs' ``precompile.max_workers``. ``compile_fn(launch) -> compiled kernel`` replaces Triton's ``warmup``
-    and ``job_fn(launch) -> job`` the JIT's compile inputs (tests: aot.cubin_compiler, aot.cubin_job);
-    a ``compile_fn`` without a ``job_fn`` compiles on the threads alone (the report says "thread").
+    cores), at most configs' ``precompile.max_workers``. ``compile_fn(launch) -> compiled kernel``
+    replaces Triton's ``warmup`` and ``job_fn(launch) -> job`` the JIT's compile inputs (tests:
+    aot.cubin_compiler, aot.cubin_job); a ``compile_fn`` without a ``job_fn`` compiles on the threads
+    alone (the report says "thread").
     ``procs``: workers started earlier (``start_workers``), used instead of starting ``workers`` new
     ones and left open for their other users (they close when the last one lets go)."""
     if pool not in ("process", "thread"):
