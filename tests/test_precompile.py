@@ -409,14 +409,18 @@ def test_started_workers_are_shared_while_held_and_end_when_let_go(monkeypatch):
         again.run([])
 
 
+# A job no worker can compile (no such kernel in the module): a worker answers it with an error, fast.
+_BAD_JOB = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
+                attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+
+
 def test_compile_workers_report_a_failed_job_by_its_kernel(tmp_path, monkeypatch):
     """A job a worker cannot compile comes back as an error naming the kernel (the thread phase then
     compiles that one itself), not as a crash."""
     from torchrec_triton_tbe.ops.precompile import compile_in_workers
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
-               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    bad = dict(_BAD_JOB)
     errors = compile_in_workers([bad, dict(bad, name="_nor_this_one")], workers=1)
     assert [e.split(":")[0] for e in errors] == ["_no_such_kernel", "_nor_this_one"], errors
     assert all("AttributeError" in e for e in errors)
@@ -429,8 +433,7 @@ def test_compile_workers_call_back_as_each_answer_arrives(tmp_path, monkeypatch)
     from torchrec_triton_tbe.ops.precompile import Workers
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
-               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    bad = dict(_BAD_JOB)
     jobs = [dict(bad, name=f"_no_kernel_{i}") for i in range(4)]
     done = []
     procs = Workers(2)
@@ -450,8 +453,7 @@ def test_compile_workers_warm_up_for_the_target_outside_the_cache(tmp_path, monk
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    bad = dict(module="torchrec_triton_tbe.kernels.transpose", name="_no_such_kernel", signature={}, constexprs={},
-               attrs={}, target=("cuda", 90, 32), options={"num_warps": 1})
+    bad = dict(_BAD_JOB)
     procs = Workers(1, warm_up=("cuda", 90, 32))
     try:
         errors = procs.run([bad])  # answered after the warm-up

@@ -77,16 +77,24 @@ def graph_counts(dmp) -> list:
     return [(m._backward_graphs.captures, m._backward_graphs.replays) for m in triton_tbe_modules(dmp)]
 
 
+def build_models(tables, setup, args, sharder, options, dense_in, pipeline: bool) -> dict:
+    """{"fused": (dmp, optimizer), "triton": ...}: the demo's model on its plan, once with FBGEMM's kernel
+    and once with ours (``pipeline``: the model TorchRec's train pipelines take). _plan returns {module
+    path: plan}: _switch converts each (use_fused on the dict itself would leave it unchanged)."""
+    plan = demo._plan(demo._model(tables, setup, dense_in, pipeline), tables, args.sharding, setup, pipeline)
+    return {
+        "fused": demo._dmp(tables, setup, demo._switch(plan, use_fused), sharder, dense_in, args.learning_rate,
+                           pipeline),
+        "triton": demo._dmp(tables, setup, demo._switch(plan, lambda p: use_triton_tbe(p, options=options)), sharder,
+                            dense_in, args.learning_rate, pipeline),
+    }
+
+
 def pipeline_steps(tables, setup, args, sharder, options, dense_in, batches, rounds: int, block: int,
                    pinned: bool = False) -> dict:
     """Median ms per step of each model in a pipelined loop (TrainPipelineSparseDist), ``block`` steps
     per timing, ``rounds`` rounds alternating which model goes first (see the module docstring)."""
-    plan = demo._plan(demo._model(tables, setup, dense_in, True), tables, args.sharding, setup, True)
-    models = {
-        "fused": demo._dmp(tables, setup, demo._switch(plan, use_fused), sharder, dense_in, args.learning_rate, True),
-        "triton": demo._dmp(tables, setup, demo._switch(plan, lambda p: use_triton_tbe(p, options=options)), sharder,
-                            dense_in, args.learning_rate, True),
-    }
+    models = build_models(tables, setup, args, sharder, options, dense_in, pipeline=True)
     pipes = {name: demo._pipeline("pipeline", dmp, opt, setup.device) for name, (dmp, opt) in models.items()}
     feed = demo._pipeline_batches(batches)
     if pinned:
@@ -140,14 +148,8 @@ def main():
     options = TritonTBEOptions(index_dtype=index_dtype, hoist_transpose=args.hoist_transpose,
                                fused_bounds_check=args.fused_bounds_check)
     sharder = [TritonTBESharder(fused_params=fused_params)]
-    # The plain loop (the one this profile has always timed). _plan returns {module path: plan}:
-    # _switch converts each (use_fused on the dict itself would leave it unchanged).
-    plan = demo._plan(demo._model(tables, setup, dense_in), tables, args.sharding, setup, False)
-    models = {
-        "fused": demo._dmp(tables, setup, demo._switch(plan, use_fused), sharder, dense_in, args.learning_rate, False),
-        "triton": demo._dmp(tables, setup, demo._switch(plan, lambda p: use_triton_tbe(p, options=options)), sharder,
-                            dense_in, args.learning_rate, False),
-    }
+    # The plain loop (the one this profile has always timed).
+    models = build_models(tables, setup, args, sharder, options, dense_in, pipeline=False)
     batches = demo._batches(tables, args, setup, dense_in)
     res = {"args": vars(args)}
     for dmp, opt in models.values():

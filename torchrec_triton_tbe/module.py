@@ -351,9 +351,9 @@ class TritonTBE(nn.Module):
         processes on this host, at most configs' ``precompile.max_workers``), before the step: the
         step then launches kernels already compiled instead of compiling them one after another
         (ops/precompile.py). Weights, optimizer state and the step counter are unchanged; returns a
-        ``PrecompileReport``. Another
-        batch shape may need a few more specializations (other bag lengths, batch sizes); those compile
-        on first use as without this call. Nothing to compile under Triton's interpreter."""
+        ``PrecompileReport``. Another batch shape may need a few more specializations (other bag
+        lengths, batch sizes); those compile on first use as without this call. Nothing to compile
+        under Triton's interpreter."""
         from torchrec_triton_tbe.ops import precompile as precompile_ops
 
         # Workers started at construction (start_precompile_workers) serve the default count only.

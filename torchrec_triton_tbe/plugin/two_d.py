@@ -65,14 +65,10 @@ def _walk(module: nn.Module, seen: set) -> Iterable[nn.Module]:
         yield from _walk(child, seen)
 
 
-def _ours_below(root: nn.Module) -> List[TritonTBE]:
-    return [m for m in _walk(root, set()) if isinstance(m, TritonTBE)]
-
-
 def triton_tbe_modules(root: nn.Module) -> List[TritonTBE]:
     """Every TritonTBE module under ``root`` (a DistributedModelParallel, a sharded collection), those
     behind a sharded collection's lookups included, which ``root.modules()`` does not reach."""
-    return _ours_below(root)
+    return [m for m in _walk(root, set()) if isinstance(m, TritonTBE)]
 
 
 def _add_ours(dmp: DMPCollection, contexts) -> None:
@@ -81,11 +77,11 @@ def _add_ours(dmp: DMPCollection, contexts) -> None:
     groups = []
     for ctx in contexts[1:]:  # submodule contexts first, as TorchRec groups them
         mine = [m for outer in _walk(root, set()) if isinstance(outer, ctx.sharded_module)
-                for m in _ours_below(outer) if id(m) not in claimed]
+                for m in triton_tbe_modules(outer) if id(m) not in claimed]
         claimed.update(id(m) for m in mine)
         groups.append((ctx, mine))
     if contexts:
-        groups.insert(0, (contexts[0], [m for m in _ours_below(root) if id(m) not in claimed]))
+        groups.insert(0, (contexts[0], [m for m in triton_tbe_modules(root) if id(m) not in claimed]))
     for ctx, modules in groups:
         weights = dict(ctx.weights_by_dtype or {})
         states = dict(ctx.optimizer_tensors_by_dtype or {})
