@@ -24,7 +24,7 @@ from torchrec_triton_tbe.plugin.options import (
 
 ALL = TritonTBEOptions(
     index_dtype=torch.int32, fused_bounds_check=True, hoist_transpose=True, kernel_config="interpreter",
-    check_finite=True, precompile=True,
+    check_finite=True, precompile=False,
 )
 
 
@@ -32,7 +32,7 @@ def test_defaults_keep_torchrec_keys_untouched():
     params = TritonTBEOptions().to_fused_params()
     assert params == {
         MARKER_KEY: MARKER, FUSED_BOUNDS_CHECK_KEY: False, HOIST_TRANSPOSE_KEY: False, KERNEL_CONFIG_KEY: None,
-        CHECK_FINITE_KEY: False, PRECOMPILE_KEY: False,
+        CHECK_FINITE_KEY: False, PRECOMPILE_KEY: True,
     }
     assert INDEX_TYPE_KEY not in params and OFFSET_TYPE_KEY not in params
 

@@ -105,17 +105,20 @@ def test_demo_on_production_shaped_tables(tmp_path, capsys):
 def test_demo_with_fp16_tables(capsys):
     """--weights fp16: both kernels hold fp16 tables (and round each update stochastically on their own):
     they agree within four fp16 ulps, and the round trip of checkpoints stays exact."""
-    rc = torchrec_demo.main(SMALL + ["--weights", "fp16", "--sharding", "table_wise"])
+    rc = torchrec_demo.main(SMALL + ["--weights", "fp16", "--sharding", "table_wise", "--no-precompile"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "weights=fp16" in out and "tolerance 2e-03" in out and "MATCH" in out and "MISMATCH" not in out, out
+    # --no-precompile (the plugin's precompile is on by default): no module precompiled
+    assert "precompile=False" in out and not any(line.startswith("precompile: ") for line in out.splitlines()), out
     assert "largest difference 0.0e+00" in out, out
 
 
 def test_demo_with_precompile_reports_each_kernels_precompile(capsys):
-    """--precompile: each Triton kernel module's first training step precompiles (under the interpreter
-    it compiles nothing, and the demo's line says so); training matches as without it."""
-    rc = torchrec_demo.main(SMALL + ["--precompile", "--sharding", "table_wise"])
+    """precompile, on by default in the plugin and the demo: each Triton kernel module's first training
+    step precompiles (under the interpreter it compiles nothing, and the demo's line says so); training
+    matches as without it."""
+    rc = torchrec_demo.main(SMALL + ["--sharding", "table_wise"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "precompile=True" in out and "MATCH" in out and "MISMATCH" not in out, out

@@ -615,6 +615,41 @@ def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):
     assert any("worker exited 3: no compiler here" in e for e in errors), errors
 
 
+def test_precompile_warns_when_workers_fail_and_the_step_still_trains(tmp_path, monkeypatch):
+    """With precompile on by default in the plugin, a worker failure must not pass unseen: precompile
+    warns with the count and the first error, the load phase compiles what failed (here: a stand-in
+    compile_fn that records what it was handed), and the step then trains as without precompile."""
+    from torchrec_triton_tbe.ops import precompile as precompile_ops
+
+    dying = tmp_path / "dying_worker.py"
+    dying.write_text("import sys\nsys.stderr.write('no compiler here\\n')\nsys.exit(3)\n")
+    monkeypatch.setattr(precompile_ops, "WORKER", str(dying))
+    flagged, plain = _module(optimizer=EmbOptimType.EXACT_SGD), _module(optimizer=EmbOptimType.EXACT_SGD)
+    with torch.no_grad():
+        plain.weights.copy_(flagged.weights)
+    batch = _batch()
+    loaded = []
+
+    def job(r):
+        return dict(module="m", name=r.kernel.__name__, signature={}, constexprs={}, attrs={},
+                    target=("cuda", 90, 32), options={})
+
+    def compile_fn(r):
+        loaded.append(r.kernel.__name__)
+        return None  # nothing handed to launch's cache: the step compiles (interprets) as without precompile
+
+    with pytest.warns(RuntimeWarning, match=r"precompile: (\d+) of \1 kernel specializations failed in the compile "
+                                            r"workers .*worker exited 3: no compiler here"):
+        report = precompile_ops.precompile(flagged, batch.indices, batch.offsets, workers=2, compile_fn=compile_fn,
+                                           pool="process", job_fn=job)
+    assert report.pool == "process" and len(report.worker_errors) == report.specializations > 0, report
+    assert sorted(loaded) == sorted(report.kernels), (loaded, report.kernels)
+    for m in (flagged, plain):
+        out = m(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+    assert torch.equal(flagged.weights, plain.weights) and int(flagged.iter) == int(plain.iter) == 1
+
+
 _LOOKUP_COUNTS = r"""
 import json
 import torch

@@ -20,6 +20,8 @@
 #   first-step-ab  the demo's cold first step with --precompile on the tree of another commit (.ab/<commit>,
 #               AB_COMMIT, as for ab) and on this tree, FIRST_STEP_PROCS (default 2) fresh processes and
 #               caches each, interleaved; then this tree's step 0 on a warm cache with and without --precompile
+#   first-step-default  the demo's cold first step with the plugin's defaults (precompile on) in FIRST_STEP_PROCS
+#               fresh processes and caches, warm on the first's cache, and with --no-precompile warm and cold
 #   first-step-variants  the demo's first step with --precompile under configs/sm90.yaml (cold) and under each of
 #               VARIANTS (tools/config_variants.py), warm on the first run's cache, then cold on fresh ones
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
@@ -117,7 +119,8 @@ for step in "$@"; do
           --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:3}" > "$log" 2>&1
         grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |MATCH" "$log" || quiet < "$log" | tail -6
       }
-      demo_step0 cold "$cache"; demo_step0 warm "$cache"; demo_step0 cold_precompile "$(mktemp -d)" --precompile
+      demo_step0 cold "$cache" --no-precompile; demo_step0 warm "$cache" --no-precompile
+      demo_step0 cold_precompile "$(mktemp -d)" --precompile
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
         --workers 1,4,16 --replay 16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | grep -v "^    _"
       # A compile worker's first job, cold and warmed up (Workers warm_up), on this host.
@@ -137,7 +140,17 @@ for step in "$@"; do
         c=$(mktemp -d); [ "$i" = 1 ] && c=$warm
         step0 "this_$i" "$PWD" "$c" --precompile
       done
-      step0 warm_precompile "$PWD" "$warm" --precompile; step0 warm_plain "$PWD" "$warm" ;;
+      step0 warm_precompile "$PWD" "$warm" --precompile; step0 warm_plain "$PWD" "$warm" --no-precompile ;;
+    first-step-default)
+      # The plugin's defaults (precompile on): the demo's cold step 0 in FIRST_STEP_PROCS fresh processes and
+      # caches, warm on the first one's cache, then without precompile warm there and cold on a fresh cache.
+      warm=$(mktemp -d)
+      for i in $(seq "${FIRST_STEP_PROCS:-2}"); do
+        c=$(mktemp -d); [ "$i" = 1 ] && c=$warm
+        step0 "default_cold_$i" "$PWD" "$c"
+      done
+      step0 default_warm "$PWD" "$warm"; step0 no_precompile_warm "$PWD" "$warm" --no-precompile
+      step0 no_precompile_cold "$PWD" "$(mktemp -d)" --no-precompile ;;
     first-step-variants)
       # configs/sm90.yaml first, cold (its cache is then the warm one), then each of VARIANTS warm on it,
       # then each cold on a fresh cache; every run --precompile.

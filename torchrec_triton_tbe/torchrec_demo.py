@@ -115,8 +115,9 @@ def _parse(argv, gpu: bool) -> argparse.Namespace:
     ap.add_argument("--index-dtype", choices=("int32", "int64"), default="int64",
                     help="ids/offsets dtype of the KJTs and of both kernels")
     ap.add_argument("--hoist-transpose", action="store_true", help="Triton option: sort ids in forward")
-    ap.add_argument("--precompile", action="store_true",
-                    help="Triton option: compile each kernel's first step on a thread pool before running it")
+    ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                    help="Triton option (on by default, as in the plugin): compile the kernels of each kernel "
+                         "module's first step in worker processes before running it")
     ap.add_argument("--fused-bounds-check", action="store_true", help="Triton option: repair ids in forward")
     ap.add_argument("--sequence", action="store_true",
                     help="add an EmbeddingCollection (sequence tables, one embedding per id) next to the bags")

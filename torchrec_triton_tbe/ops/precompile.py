@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -251,6 +252,12 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
     for r, compiled in zip(chosen, kernels):
         if compiled is not None:
             launch_ops.remember(r, cache_device, compiled)
+    if worker_errors:
+        # Said, not raised: the step runs the same kernels, the load phase compiled these in this process
+        # (slower, which is what the plugin's default-on precompile is there to avoid).
+        warnings.warn(f"precompile: {len(worker_errors)} of {len(chosen)} kernel specializations failed in the "
+                      f"compile workers and were compiled in this process instead (first: {worker_errors[0]})",
+                      RuntimeWarning, stacklevel=2)
     return PrecompileReport(len(recorded), len(chosen), names, workers, seconds, compiled=True, pool=pool,
                             worker_seconds=worker_seconds if procs is not None else 0.0,
                             worker_errors=worker_errors, cache_hits=sum(hit for hit, _ in hits),
@@ -404,6 +411,13 @@ class Workers:
                 try:
                     proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=err, env=env)
+                except OSError as e:
+                    err.close()
+                    raise RuntimeError(
+                        f"precompile: could not start compile worker {i + 1} of {max(1, int(n))} ({e}); the "
+                        "plugin's precompile option (on by default) is turned off by "
+                        "TritonTBEOptions(precompile=False), and kernels then compile as the step reaches them"
+                    ) from e
                 except BaseException:
                     err.close()
                     raise

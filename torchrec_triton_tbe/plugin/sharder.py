@@ -64,7 +64,7 @@ class TritonTBEParameterSharding(ParameterSharding):
     hoist_transpose: bool = False
     kernel_config: Union[str, KernelConfig, None] = None
     check_finite: bool = False
-    precompile: bool = False
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         if self.compute_kernel != CUSTOMIZED:
