@@ -270,12 +270,12 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
 
 def compile_order(launches: list, first: tuple) -> list:
     """The distinct launches in the order the workers take them: the kernels named in ``first``
-    (configs' ``precompile.compile_first``: those whose compiles took longest) in that order, widest
-    BLOCK_D first, then the rest as recorded. Why: jobs go to whichever worker is free, and a long
-    compile handed out last leaves the others idle. Replayed on 16 workers with prod_t40_b16k's 39
-    compile times measured on the CPU machine (tools/first_step.py --replay), this order takes 1.51 s
-    where the recording order takes 2.08 s (longest first with the times known: 1.32 s; total / 16:
-    1.31 s). Not measured on the GPU host."""
+    (configs' ``precompile.compile_first``: every kernel of a step, longest mean compile first) in that
+    order, widest BLOCK_D first, then the rest as recorded. Why: jobs go to whichever worker is free,
+    and a long compile handed out last leaves the others idle. On the H200 host (16 workers,
+    prod_t40_b16k's 46 specializations, session 30) the compile phase took 1.36-1.41x the workers'
+    summed job time / 16 with the three longest kernels first and the rest as recorded, 1.14-1.18x
+    in this order (docs/performance.md "Precompile on by default")."""
     rank = {name: i for i, name in enumerate(first)}
 
     def key(item):
