@@ -266,10 +266,10 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
     tiles = []
     real = bwd_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None):
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
         if kernel is bwd_ops._backward_short_kernel:
             tiles.append(constexprs["TILE"])
-        return real(kernel, grid, args, constexprs, num_warps, key=key)
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
 
     monkeypatch.setattr(bwd_ops, "launch", spy)
     base = load_named("interpreter")

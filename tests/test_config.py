@@ -51,6 +51,8 @@ def test_knob_table_lookup():
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
         (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
         (("forward", "bucket_streams_min_lookups", -1), "forward.bucket_streams_min_lookups must be >= 0"),
+        (("backward", "bucket_streams", 0), "backward.bucket_streams must be >= 1"),
+        (("backward", "bucket_streams_min_lookups", -1), "backward.bucket_streams_min_lookups must be >= 0"),
         (("small_table", "positions", 24), "small_table.positions must be a power of two >= 16"),
         (("small_table", "apply_chunks", 6), "small_table.apply_chunks a power of two"),
         (("small_table", "backward_groups", 0), "small_table.backward_groups must be >= 1"),

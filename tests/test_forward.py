@@ -24,7 +24,8 @@ from tbe_cases import (
 )
 from test_vbe import vbe_batch
 from torchrec_triton_tbe.config import KnobTable, load_named
-from torchrec_triton_tbe.ops.forward import bucket_streams, lanes_gather
+from torchrec_triton_tbe.ops.forward import lanes_gather
+from torchrec_triton_tbe.ops.launch import bucket_streams
 
 SPECS = [(40, 8), (30, 12), (25, 16), (9, 4)]  # BLOCK_D buckets 4, 8 and 16; width 12 is not a power of 2
 # (FBGEMM requires D % 4 == 0; other widths are checked against the reference in test_properties.py.)
@@ -194,6 +195,10 @@ def test_bucket_streams_only_fork_large_cuda_forwards():
     assert bucket_streams(streams, 7, 10**6, cpu) == []  # not CUDA
     assert bucket_streams(streams, 1, 10**6, torch.device("cuda")) == []  # one launch: nothing to overlap
     assert bucket_streams(streams, 7, 999, torch.device("cuda")) == []  # below the threshold
+    # The backward's knobs of the same names (config.BackwardConfig): the same rule.
+    bwd = dataclasses.replace(INTERPRETER.backward, bucket_streams=4, bucket_streams_min_lookups=1000)
+    assert INTERPRETER.backward.bucket_streams == 1 and bucket_streams(INTERPRETER.backward, 7, 10**6, cpu) == []
+    assert bucket_streams(bwd, 7, 10**6, cpu) == [] and bucket_streams(bwd, 7, 999, torch.device("cuda")) == []
 
 
 def test_small_batch_knobs_apply_at_small_batches_for_every_weight_width():

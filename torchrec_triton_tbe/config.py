@@ -147,6 +147,13 @@ class BackwardConfig:
     # per module.
     graph_max_lookups: int = 0
     graph_cache: int = 8
+    # Streams the D buckets' update kernels of one backward are spread over (1: the caller's stream
+    # only), for backwards of at least bucket_streams_min_lookups lookups: each bucket's short and long
+    # kernels stay in order on one stream, and the buckets (disjoint rows, their own workspace chunks)
+    # overlap where one bucket's kernels leave most of the GPU idle (few runs, a long tail). Inside a
+    # captured backward the streams are parallel branches of the graph.
+    bucket_streams: int = 1
+    bucket_streams_min_lookups: int = 0
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -326,6 +333,8 @@ class KernelConfig:
                 tile_fp32=KnobTable.parse(b["tile_fp32"], "backward.tile_fp32") if "tile_fp32" in b else None,
                 graph_max_lookups=int(b.get("graph_max_lookups", 0)),
                 graph_cache=int(b.get("graph_cache", 8)),
+                bucket_streams=int(b.get("bucket_streams", 1)),
+                bucket_streams_min_lookups=int(b.get("bucket_streams_min_lookups", 0)),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -382,6 +391,8 @@ class KernelConfig:
             ("backward.waves", self.backward.waves, 0, ""),
             ("backward.graph_max_lookups", self.backward.graph_max_lookups, 0, " (0: no CUDA graphs)"),
             ("backward.graph_cache", self.backward.graph_cache, 1, ""),
+            ("backward.bucket_streams", self.backward.bucket_streams, 1, " (1: the caller's stream only)"),
+            ("backward.bucket_streams_min_lookups", self.backward.bucket_streams_min_lookups, 0, ""),
         ]:
             if v < least:
                 problems.append(f"{name} must be >= {least}{hint}")

@@ -65,6 +65,12 @@ def _configs():
         "graphs_off": (base.replace_backward(graph_max_lookups=0), {}),
         "long_fused": (base.replace_backward(long_path="fused"), {}),
         "streams_4": (base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0), {}),
+        # backward.bucket_streams: the buckets' update kernels on four streams, captured and eager
+        "bwd_streams_4": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0), {}),
+        "bwd_streams_4_eager": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
+                                                      graph_max_lookups=0), {}),
+        "bwd_streams_4_long_fused": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
+                                                           long_path="fused"), {}),
         "deterministic_algorithms": (base, dict(deterministic=True)),
     }
 

@@ -250,6 +250,38 @@ def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
         assert torch.equal(captured, one(static_idx.clone(), off))
 
 
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+def test_backward_bucket_streams_match_one_stream_without_host_sync(optimizer):
+    """backward.bucket_streams: each D bucket's update kernels on its own stream (SPECS: three buckets)
+    train bit for bit as on one stream, eagerly, with per-sample weights and on a replayed (captured)
+    backward, and issue no host sync. tests/gpu/test_gpu_reliability.py runs the same schedules
+    against its base config over more steps."""
+    from torchrec_triton_tbe.config import load_config
+
+    base = load_config(DEV).replace_backward(graph_max_lookups=1 << 24)
+    kw = dict(optimizer=optimizer, weights_precision=SparseType.FP16, stochastic_rounding=False, learning_rate=0.05)
+    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=base.replace_backward(bucket_streams=1), **kw)
+    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV,
+                     kernel_config=base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
+    assert len(many._spec.plan.buckets) >= 3
+    one.init_embedding_weights_uniform(-0.5, 0.5)
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        b.copy_(a)
+    # Steps 0-1 capture and replay the same batch shape's backward (graph_max_lookups), 2 is weighted.
+    for step, (seed, weighted) in enumerate([(0, False), (0, False), (1, True), (0, False)]):
+        idx, off, psw = batch(seed, weighted=weighted)
+        with no_host_sync(step == 3):
+            for m in (one, many):
+                out = m(idx, off, psw)
+                # drawn on the GPU: a host tensor's copy would be the sync the check catches
+                out.backward(torch.randn(out.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step)))
+    torch.cuda.synchronize()
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        assert torch.equal(a, b)
+    for a, b in zip(one.split_optimizer_states(), many.split_optimizer_states()):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_bucket_streams_from_threads_on_their_own_streams():
     """The fork / join events are reused from call to call (ops/launch.py fork_join_events): forwards
     issued at once from two threads, each on its own stream, still order their side launches after

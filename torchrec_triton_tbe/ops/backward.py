@@ -25,7 +25,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, cdiv, launch
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, join_streams, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
 from torchrec_triton_tbe.ops.vbe import VBELayout
@@ -57,7 +57,8 @@ _WAVE_GRID: dict = {}
 
 
 def _launch_persistent(
-    kernel, bcfg: BackwardConfig, device: torch.device, args: tuple, constexprs: dict, num_warps: int
+    kernel, bcfg: BackwardConfig, device: torch.device, args: tuple, constexprs: dict, num_warps: int,
+    stream: Optional[torch.cuda.Stream] = None,
 ) -> None:
     """Launch a persistent kernel whose last positional argument is its program count NPROG.
 
@@ -69,7 +70,8 @@ def _launch_persistent(
     key = arg_key(args)
     site = (id(kernel), device, bcfg.waves, num_warps, tuple(constexprs.items()), key)
     nprog = (_WAVE_GRID.get(site) if bcfg.waves > 0 else None) or bcfg.grid_programs(device)
-    compiled = launch(kernel, (nprog,), (*args, nprog), constexprs, num_warps, key=key + arg_key((nprog,)))
+    compiled = launch(kernel, (nprog,), (*args, nprog), constexprs, num_warps, key=key + arg_key((nprog,)),
+                      stream=stream)
     if bcfg.waves > 0 and site not in _WAVE_GRID and device.type == "cuda" and getattr(compiled, "n_regs", 0):
         props = torch.cuda.get_device_properties(device)
         per_sm = resident_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, props)
@@ -173,6 +175,12 @@ def fused_update(
     # One countdown per long run (indexed by its first chunk, unique across buckets).
     counters = torch.zeros(runs.max_chunks, dtype=torch.int32, device=grad_out.device) if fused_long else None
     optim_state = state.kernel_args()
+    live = [k for k, bucket in enumerate(plan.buckets) if bucket.features]
+    # The buckets update disjoint rows and read their own chunks of the workspace, so they may run side
+    # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
+    # reads its partials), and the join below orders everything after them, the step counter's
+    # increment (which they read) included.
+    streams = bucket_streams(bcfg, len(live), runs.num_lookups, device)
     if small:
         # The path takes the small tables' features with enough lookups this call, decided on the
         # device; the generic kernels below apply the others' runs (the taken ones have none). The two
@@ -180,9 +188,10 @@ def fused_update(
         for g, group in enumerate(plan.small_groups):
             if group.features:
                 small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
-    for k, bucket in enumerate(plan.buckets):
-        if not bucket.features:
-            continue
+    for j, k in enumerate(live):
+        bucket = plan.buckets[k]
+        # The small-table kernels went first on the caller's stream: the first bucket takes a side stream.
+        stream = streams[(j + small) % len(streams)] if streams else None
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(
@@ -228,6 +237,7 @@ def fused_update(
             ),
             dict(**modes, **update, **common, **gathers),
             warps,
+            stream,
         )
         if fused_long:
             _launch_persistent(
@@ -254,6 +264,7 @@ def fused_update(
                 ),
                 dict(**modes, **update, **common, **gathers),
                 warps,
+                stream,
             )
             continue
         _launch_persistent(
@@ -278,6 +289,7 @@ def fused_update(
             ),
             dict(**modes, **common, **gathers),
             warps,
+            stream,
         )
         _launch_persistent(
             _backward_long_apply_kernel,
@@ -300,7 +312,10 @@ def fused_update(
             ),
             dict(TILE=tile, **update, **common),
             warps,
+            stream,
         )
+    if streams:
+        join_streams(streams, device)
 
 
 def backward_step(

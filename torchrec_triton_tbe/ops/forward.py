@@ -11,12 +11,12 @@ from typing import Optional
 
 import torch
 
-from torchrec_triton_tbe.config import ForwardConfig, tile_warps
+from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_SILENT
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, cdiv, fork_join_events, launch, mean_bag_pow2, side_streams
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, join_streams, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -37,33 +37,6 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     from the offsets, so choosing it costs no device sync. Knob, not result: only the step grouping of
     the sums changes (fp rounding)."""
     return min(gather, mean_bag_pow2(num_lookups, num_bags))
-
-
-def bucket_streams(cfg: ForwardConfig, num_launches: int, num_lookups: int, device: torch.device) -> list:
-    """The streams a pooled forward's bucket launches go round: [caller's, side streams...], forked
-    from the caller's stream (each side stream waits for the work queued before this forward, so it
-    sees the ids, offsets and output allocated there); [] keeps every launch on the caller's stream.
-    From host ints only (config.ForwardConfig.bucket_streams)."""
-    n = min(cfg.bucket_streams, num_launches)
-    if n < 2 or num_lookups < cfg.bucket_streams_min_lookups or device.type != "cuda":
-        return []
-    main = torch.cuda.current_stream(device)
-    streams = [main, *side_streams(device, n - 1)]
-    fork = fork_join_events(device, n)[0]
-    fork.record(main)
-    for s in streams[1:]:
-        s.wait_event(fork)
-    return streams
-
-
-def join_streams(streams: list, device: torch.device) -> None:
-    """The caller's stream waits for every side stream: whatever it runs next (the output's consumers,
-    and any reuse of memory freed after this call) is ordered after the side launches, so no tensor
-    needs record_stream."""
-    events = fork_join_events(device, len(streams))
-    for s, e in zip(streams[1:], events[1:]):
-        e.record(s)
-        streams[0].wait_event(e)
 
 
 def pooled_forward(

@@ -111,6 +111,35 @@ def fork_join_events(device: torch.device, n: int) -> list:
     return have[:n]
 
 
+def bucket_streams(cfg, num_launches: int, num_lookups: int, device: torch.device) -> list:
+    """The streams a call's D-bucket launches go round: [caller's, side streams...], forked from the
+    caller's stream (each side stream waits for the work queued before this call, so it sees the
+    ids, offsets, gradient and buffers allocated there); [] keeps every launch on the caller's stream.
+    ``cfg``: config.ForwardConfig or config.BackwardConfig (their ``bucket_streams`` and
+    ``bucket_streams_min_lookups``). From host ints only; a stream fork inside a CUDA graph capture
+    becomes parallel branches of the graph."""
+    n = min(cfg.bucket_streams, num_launches)
+    if n < 2 or num_lookups < cfg.bucket_streams_min_lookups or device.type != "cuda":
+        return []
+    main = torch.cuda.current_stream(device)
+    streams = [main, *side_streams(device, n - 1)]
+    fork = fork_join_events(device, n)[0]
+    fork.record(main)
+    for s in streams[1:]:
+        s.wait_event(fork)
+    return streams
+
+
+def join_streams(streams: list, device: torch.device) -> None:
+    """The caller's stream waits for every side stream: whatever it runs next (the consumers, and any
+    reuse of memory freed after this call) is ordered after the side launches, so no tensor needs
+    record_stream."""
+    events = fork_join_events(device, len(streams))
+    for s, e in zip(streams[1:], events[1:]):
+        e.record(s)
+        streams[0].wait_event(e)
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
     (each host call unwraps its arguments: ~2 µs, several per launch)."""
