@@ -113,9 +113,11 @@ def test_index_dtype_reaches_the_kernel(monkeypatch, plan_dtype, kjt_dtype, expe
     monkeypatch.setattr(TritonTBE, "forward", spy_module)
     _, ours = _pair(options=TritonTBEOptions(index_dtype=plan_dtype))
     pc.train(ours, 1, 0, kjt_dtype=kjt_dtype)
-    assert seen and all(s[0] == "kjt" and s[1:] == (kjt_dtype, kjt_dtype) for s in seen[0::2]), seen
-    module_calls = seen[1::2]
-    assert all(s[1:3] == (expected, expected) for s in module_calls), seen
+    # The first training forward calls the module twice: precompile's dry run (on by default), then the step.
+    kjt_calls = [s for s in seen if s[0] == "kjt"]
+    module_calls = [s for s in seen if s[0] == "module"]
+    assert kjt_calls and all(s[1:] == (kjt_dtype, kjt_dtype) for s in kjt_calls), seen
+    assert len(module_calls) >= len(kjt_calls) and all(s[1:3] == (expected, expected) for s in module_calls), seen
     assert all(s[3] == (plan_dtype or torch.int64) for s in module_calls), seen
 
 
