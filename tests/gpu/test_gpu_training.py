@@ -205,6 +205,17 @@ def test_cached_launches_match_the_jit_and_follow_alignment(monkeypatch):
         assert torch.equal(a, b)
 
 
+def _stream_twins(one_cfg, many_cfg, **kw) -> tuple:
+    """Two modules of SPECS (three D buckets) with equal weights: one stream and several, per the configs."""
+    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=one_cfg, **kw)
+    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=many_cfg, **kw)
+    assert len(many._spec.plan.buckets) >= 3
+    one.init_embedding_weights_uniform(-0.5, 0.5)
+    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
+        b.copy_(a)
+    return one, many
+
+
 def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
     """forward.bucket_streams: the D-bucket launches spread over side streams (SPECS: BLOCK_D 64, 128
     and 256 buckets) give the one-stream output bit for bit, train to the same weights, issue no host
@@ -214,13 +225,8 @@ def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
     base = load_config(DEV)
     kw = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16,
               stochastic_rounding=False)
-    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=base.replace_forward(bucket_streams=1), **kw)
-    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV,
-                     kernel_config=base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
-    assert len(many._spec.plan.buckets) >= 3
-    one.init_embedding_weights_uniform(-0.5, 0.5)
-    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
-        b.copy_(a)
+    one, many = _stream_twins(base.replace_forward(bucket_streams=1),
+                              base.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
     for step in range(3):
         idx, off, psw = batch(step, weighted=step == 1)
         with no_host_sync(step == 2):
@@ -260,13 +266,8 @@ def test_backward_bucket_streams_match_one_stream_without_host_sync(optimizer):
 
     base = load_config(DEV).replace_backward(graph_max_lookups=1 << 24)
     kw = dict(optimizer=optimizer, weights_precision=SparseType.FP16, stochastic_rounding=False, learning_rate=0.05)
-    one = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, kernel_config=base.replace_backward(bucket_streams=1), **kw)
-    many = TritonTBE(SPECS, feature_table_map=FTM, device=DEV,
-                     kernel_config=base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
-    assert len(many._spec.plan.buckets) >= 3
-    one.init_embedding_weights_uniform(-0.5, 0.5)
-    for a, b in zip(one.split_embedding_weights(), many.split_embedding_weights()):
-        b.copy_(a)
+    one, many = _stream_twins(base.replace_backward(bucket_streams=1),
+                              base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0), **kw)
     # Steps 0-1 capture and replay the same batch shape's backward (graph_max_lookups), 2 is weighted.
     for step, (seed, weighted) in enumerate([(0, False), (0, False), (1, True), (0, False)]):
         idx, off, psw = batch(seed, weighted=weighted)
