@@ -600,39 +600,42 @@ def test_precompile_jobs_carry_the_hashes_a_plain_step_computes(tmp_path):
     assert runs["precompile"] == runs["plain"]
 
 
-def test_dead_compile_workers_leave_no_job_unreported(tmp_path, monkeypatch):
-    """Workers that die (here: exit at start) fail their jobs by name; jobs no worker is left for are
-    reported too, so the report accounts for every job the load phase then compiles itself."""
+@pytest.fixture
+def dying_workers(tmp_path, monkeypatch):
+    """Compile workers that exit at start (status 3, "no compiler here" on stderr)."""
     from torchrec_triton_tbe.ops import precompile as precompile_ops
 
     dying = tmp_path / "dying_worker.py"
     dying.write_text("import sys\nsys.stderr.write('no compiler here\\n')\nsys.exit(3)\n")
     monkeypatch.setattr(precompile_ops, "WORKER", str(dying))
-    jobs = [dict(module="m", name=f"k{i}", signature={}, constexprs={}, attrs={}, target=("cuda", 90, 32),
-                 options={}) for i in range(5)]
+    return precompile_ops
+
+
+def _stub_job(name: str) -> dict:
+    """A worker job that names a kernel and compiles nothing (for workers that never get to it)."""
+    return dict(module="m", name=name, signature={}, constexprs={}, attrs={}, target=("cuda", 90, 32), options={})
+
+
+def test_dead_compile_workers_leave_no_job_unreported(dying_workers):
+    """Workers that die (here: exit at start) fail their jobs by name; jobs no worker is left for are
+    reported too, so the report accounts for every job the load phase then compiles itself."""
+    precompile_ops = dying_workers
+    jobs = [_stub_job(f"k{i}") for i in range(5)]
     errors = precompile_ops.compile_in_workers(jobs, workers=2)
     assert sorted(e.split(":")[0] for e in errors) == [f"k{i}" for i in range(5)], errors
     assert any("worker exited 3: no compiler here" in e for e in errors), errors
 
 
-def test_precompile_warns_when_workers_fail_and_the_step_still_trains(tmp_path, monkeypatch):
+def test_precompile_warns_when_workers_fail_and_the_step_still_trains(dying_workers):
     """With precompile on by default in the plugin, a worker failure must not pass unseen: precompile
     warns with the count and the first error, the load phase compiles what failed (here: a stand-in
     compile_fn that records what it was handed), and the step then trains as without precompile."""
-    from torchrec_triton_tbe.ops import precompile as precompile_ops
-
-    dying = tmp_path / "dying_worker.py"
-    dying.write_text("import sys\nsys.stderr.write('no compiler here\\n')\nsys.exit(3)\n")
-    monkeypatch.setattr(precompile_ops, "WORKER", str(dying))
+    precompile_ops = dying_workers
     flagged, plain = _module(optimizer=EmbOptimType.EXACT_SGD), _module(optimizer=EmbOptimType.EXACT_SGD)
     with torch.no_grad():
         plain.weights.copy_(flagged.weights)
     batch = _batch()
     loaded = []
-
-    def job(r):
-        return dict(module="m", name=r.kernel.__name__, signature={}, constexprs={}, attrs={},
-                    target=("cuda", 90, 32), options={})
 
     def compile_fn(r):
         loaded.append(r.kernel.__name__)
@@ -641,7 +644,7 @@ def test_precompile_warns_when_workers_fail_and_the_step_still_trains(tmp_path, 
     with pytest.warns(RuntimeWarning, match=r"precompile: (\d+) of \1 kernel specializations failed in the compile "
                                             r"workers .*worker exited 3: no compiler here"):
         report = precompile_ops.precompile(flagged, batch.indices, batch.offsets, workers=2, compile_fn=compile_fn,
-                                           pool="process", job_fn=job)
+                                           pool="process", job_fn=lambda r: _stub_job(r.kernel.__name__))
     assert report.pool == "process" and len(report.worker_errors) == report.specializations > 0, report
     assert sorted(loaded) == sorted(report.kernels), (loaded, report.kernels)
     for m in (flagged, plain):

@@ -73,12 +73,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -f /tmp/sm90_swept.yaml ] && cp /tmp/sm90_swept.yaml configs/sm90.yaml
 keep() { cp configs/sm90.yaml /tmp/sm90_swept.yaml; cp configs/sm90.yaml "$OUT/sm90.yaml"; }
 quiet() { grep -v "_fbgemm_torch_compat_table\|cannot determine compat\|^ *$\|\[0m\|\[33m\|^WARNING:root:$"; }
-# The TorchRec demo's step 0 (first-step-ab, first-step-variants): tag, tree (python -m imports from the
-# working directory first), Triton cache dir, extra demo flags; the log goes to $OUT/first_step_<tag>.log.
+# The TorchRec demo's step 0 (the first-step* steps): tag, tree (python -m imports from the working
+# directory first), Triton cache dir, extra demo flags; the log goes to $OUT/first_step_<tag>.log (full);
+# a run without MATCH shows its last lines. STEP0_TIMEOUT: seconds per run (default 200).
 step0() {
   local log="$OUT/first_step_$1.log"; echo "$1:"
-  (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout 200 python -m torchrec_triton_tbe.torchrec_demo \
-    --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
+  (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout "${STEP0_TIMEOUT:-200}" \
+    python -m torchrec_triton_tbe.torchrec_demo --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
   grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |^precompile:|MATCH" "$log" | cut -c1-300 || quiet < "$log" | tail -6
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -112,15 +113,9 @@ for step in "$@"; do
       # Cold (empty Triton cache) and warm first steps of a production-shaped TorchRec model, fused vs ours
       # (the demo's step-0 row), then where the cold compile time goes on this host's CPUs.
       cache=$(mktemp -d)
-      # Full logs under $OUT; a run without MATCH shows its last lines.
-      demo_step0() {  # name, cache dir, extra demo flags
-        local log="$OUT/first_step_demo_$1.log"; echo "$1:"
-        TRITON_CACHE_DIR=$2 timeout 280 python -m torchrec_triton_tbe.torchrec_demo \
-          --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:3}" > "$log" 2>&1
-        grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |MATCH" "$log" || quiet < "$log" | tail -6
-      }
-      demo_step0 cold "$cache" --no-precompile; demo_step0 warm "$cache" --no-precompile
-      demo_step0 cold_precompile "$(mktemp -d)" --precompile
+      STEP0_TIMEOUT=280 step0 demo_cold "$PWD" "$cache" --no-precompile
+      STEP0_TIMEOUT=280 step0 demo_warm "$PWD" "$cache" --no-precompile
+      STEP0_TIMEOUT=280 step0 demo_cold_precompile "$PWD" "$(mktemp -d)" --precompile
       TRITON_INTERPRET=0 timeout 280 python tools/first_step.py --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" \
         --workers 1,4,16 --replay 16 --json "$OUT/first_step.json" 2>&1 | grep -v "^WARNING" | grep -v "^    _"
       # A compile worker's first job, cold and warmed up (Workers warm_up), on this host.

@@ -110,13 +110,14 @@ class TritonTBEOptions:
         if marker != MARKER:
             raise ValueError(f"fused_params carry {MARKER_KEY}={marker!r}, not {MARKER!r}: not a Triton TBE group")
         index_dtype = fused_params.get(INDEX_TYPE_KEY)
+        # An absent key takes the field's default (written once, on the dataclass).
         return cls(
             index_dtype=index_dtype if fused_params.get(OFFSET_TYPE_KEY) == index_dtype else None,
-            fused_bounds_check=fused_params.pop(FUSED_BOUNDS_CHECK_KEY, False),
-            hoist_transpose=fused_params.pop(HOIST_TRANSPOSE_KEY, False),
-            kernel_config=fused_params.pop(KERNEL_CONFIG_KEY, None),
-            check_finite=fused_params.pop(CHECK_FINITE_KEY, False),
-            precompile=fused_params.pop(PRECOMPILE_KEY, True),
+            fused_bounds_check=fused_params.pop(FUSED_BOUNDS_CHECK_KEY, cls.fused_bounds_check),
+            hoist_transpose=fused_params.pop(HOIST_TRANSPOSE_KEY, cls.hoist_transpose),
+            kernel_config=fused_params.pop(KERNEL_CONFIG_KEY, cls.kernel_config),
+            check_finite=fused_params.pop(CHECK_FINITE_KEY, cls.check_finite),
+            precompile=fused_params.pop(PRECOMPILE_KEY, cls.precompile),
         )
 
 
