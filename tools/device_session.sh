@@ -79,7 +79,8 @@ quiet() { grep -v "_fbgemm_torch_compat_table\|cannot determine compat\|^ *$\|\[
 step0() {
   local log="$OUT/first_step_$1.log"; echo "$1:"
   (cd "$2" && PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$3 timeout "${STEP0_TIMEOUT:-200}" \
-    python -m torchrec_triton_tbe.torchrec_demo --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 --loop plain "${@:4}" > "$log" 2>&1)
+    python -m torchrec_triton_tbe.torchrec_demo --shape "${FIRST_STEP_SHAPE:-prod_t40_b16k}" --weights fp16 --steps 2 \
+    --loop plain "${@:4}" > "$log" 2>&1)
   grep -qE "^(MATCH|MISMATCH)" "$log" && grep -E "^ +0 |^precompile:|MATCH" "$log" | cut -c1-300 || quiet < "$log" | tail -6
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
