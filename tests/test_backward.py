@@ -284,3 +284,50 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
     assert set(tiles[: len(tiles) // 2]) == {base.backward.tile.default} and set(tiles[len(tiles) // 2:]) == {expected}
     for a, b in zip(*states):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, split):
+    """backward.split_paths: with bucket streams, each bucket's short kernel takes one stream and its
+    long path (partials, then apply: in order on one stream) the next, so the number of lanes asked of
+    bucket_streams doubles; off, a bucket's three kernels share a stream. The streams are stand-ins
+    here (no CUDA), so the kernels run on the interpreter as usual and the result is checked too."""
+    from torchrec_triton_tbe.config import load_named
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    fake = ["s0", "s1", "s2", "s3"]
+    asked, placed = [], []
+    real = bwd_ops._launch_persistent
+
+    def streams(cfg, num_launches, num_lookups, device):
+        asked.append(num_launches)
+        return fake[: min(cfg.bucket_streams, num_launches)]
+
+    def spy(kernel, bcfg, device, args, constexprs, num_warps, stream=None):
+        placed.append((kernel, stream))
+        return real(kernel, bcfg, device, args, constexprs, num_warps)
+
+    monkeypatch.setattr(bwd_ops, "bucket_streams", streams)
+    monkeypatch.setattr(bwd_ops, "join_streams", lambda streams, device: None)
+    monkeypatch.setattr(bwd_ops, "_launch_persistent", spy)
+    base = load_named("interpreter").replace_backward(long_path="split")
+    cfg = base.replace_backward(bucket_streams=4, split_paths=split)
+    results = []
+    for c in (base, cfg):
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=c, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+        batch = skewed_batch([r for r, _ in SPECS], FTM, B=6, max_L=8, generator=torch.Generator().manual_seed(3))
+        placed.clear()
+        out = ours(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+        results.append([w.clone() for w in ours.split_embedding_weights()] + [ours.momentum1.clone()])
+    buckets = len(ours._spec.plan.buckets)
+    assert buckets == 2 and asked[-1] == buckets * (2 if split else 1)
+    kinds = [bwd_ops._backward_short_kernel, bwd_ops._backward_long_partials_kernel, bwd_ops._backward_long_apply_kernel]
+    assert [k for k, _ in placed] == kinds * buckets
+    for j in range(buckets):
+        short, partials, apply = (s for _, s in placed[3 * j: 3 * j + 3])
+        assert partials == apply  # the apply reads its partials: one stream, in order
+        assert (short != partials) == split
+    assert len({s for _, s in placed}) == (4 if split else 2)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -53,6 +53,8 @@ def test_knob_table_lookup():
         (("forward", "bucket_streams_min_lookups", -1), "forward.bucket_streams_min_lookups must be >= 0"),
         (("backward", "bucket_streams", 0), "backward.bucket_streams must be >= 1"),
         (("backward", "bucket_streams_min_lookups", -1), "backward.bucket_streams_min_lookups must be >= 0"),
+        (("backward", "split_paths", 2), "backward.split_paths must be true or false"),
+        (("backward", "split_paths", "yes"), "backward.split_paths must be true or false"),
         (("small_table", "positions", 24), "small_table.positions must be a power of two >= 16"),
         (("small_table", "apply_chunks", 6), "small_table.apply_chunks a power of two"),
         (("small_table", "backward_groups", 0), "small_table.backward_groups must be >= 1"),
@@ -159,6 +161,18 @@ H200 = types.SimpleNamespace(
 )
 def test_resident_programs(n_regs, num_warps, shared, expected):
     assert resident_programs(n_regs, num_warps, shared, H200) == expected
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), (False, False), (1, True), (0, False), (None, False)])
+def test_split_paths_reads_yaml_booleans(value, expected, tmp_path):
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    if value is None:
+        doc["backward"].pop("split_paths", None)  # absent: off
+    else:
+        doc["backward"]["split_paths"] = value
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert load_named(str(path)).backward.split_paths is expected
 
 
 def test_waves_default_off():

@@ -154,6 +154,11 @@ class BackwardConfig:
     # captured backward the streams are parallel branches of the graph.
     bucket_streams: int = 1
     bucket_streams_min_lookups: int = 0
+    # With bucket streams: a bucket's short kernel and its long path (partials, then apply) on streams
+    # of their own. Short and long runs are disjoint rows and only the long path reads the workspace,
+    # so the two may overlap; what overlaps is one kernel's tail (persistent programs finishing unevenly)
+    # with the other's start, which a one-bucket backward (every homogeneous shape) has no other way to get.
+    split_paths: bool = False
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -202,6 +207,15 @@ def _refuse_unknown(d: Mapping[str, Any], known: set, what: str, where: str) -> 
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"invalid kernel config {where}: unknown {what}keys {unknown} (known: {sorted(known)})")
+
+
+def _bool(value: Any, name: str, where: str) -> bool:
+    """A yes/no knob: YAML's true/false, or 0/1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"invalid kernel config {where}: {name} must be true or false, got {value!r}")
 
 
 def _small_table(d: Mapping[str, Any], where: str) -> SmallTableConfig:
@@ -335,6 +349,7 @@ class KernelConfig:
                 graph_cache=int(b.get("graph_cache", 8)),
                 bucket_streams=int(b.get("bucket_streams", 1)),
                 bucket_streams_min_lookups=int(b.get("bucket_streams_min_lookups", 0)),
+                split_paths=_bool(b.get("split_paths", False), "backward.split_paths", source or str(d["target"])),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),

@@ -180,7 +180,10 @@ def fused_update(
     # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
     # reads its partials), and the join below orders everything after them, the step counter's
     # increment (which they read) included.
-    streams = bucket_streams(bcfg, len(live), runs.num_lookups, device)
+    # backward.split_paths: a bucket's short kernel and its long path are two such lanes (disjoint rows;
+    # the workspace is the long path's alone).
+    split = bcfg.split_paths
+    streams = bucket_streams(bcfg, len(live) * (1 + split), runs.num_lookups, device)
     if small:
         # The path takes the small tables' features with enough lookups this call, decided on the
         # device; the generic kernels below apply the others' runs (the taken ones have none). The two
@@ -191,7 +194,9 @@ def fused_update(
     for j, k in enumerate(live):
         bucket = plan.buckets[k]
         # The small-table kernels went first on the caller's stream: the first bucket takes a side stream.
-        stream = streams[(j + small) % len(streams)] if streams else None
+        lane = j * (1 + split) + small
+        stream = streams[lane % len(streams)] if streams else None
+        long_stream = streams[(lane + split) % len(streams)] if streams else None
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(
@@ -264,7 +269,7 @@ def fused_update(
                 ),
                 dict(**modes, **update, **common, **gathers),
                 warps,
-                stream,
+                long_stream,
             )
             continue
         _launch_persistent(
@@ -289,7 +294,7 @@ def fused_update(
             ),
             dict(**modes, **common, **gathers),
             warps,
-            stream,
+            long_stream,
         )
         _launch_persistent(
             _backward_long_apply_kernel,
@@ -312,7 +317,7 @@ def fused_update(
             ),
             dict(TILE=tile, **update, **common),
             warps,
-            stream,
+            long_stream,
         )
     if streams:
         join_streams(streams, device)
