@@ -286,12 +286,23 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, split):
+@pytest.mark.parametrize(
+    "knobs,split",
+    [
+        (dict(split_paths=False), False),
+        (dict(split_paths=True), True),  # two buckets, four streams: each bucket's paths take two
+        (dict(split_paths=True, bucket_streams=3), False),  # the buckets' paths would not fit the streams
+        (dict(split_paths=True, split_paths_min_lookups=10**9), False),  # too few lookups
+    ],
+    ids=["off", "on", "streams_3", "below_min_lookups"],
+)
+def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, knobs, split):
     """backward.split_paths: with bucket streams, each bucket's short kernel takes one stream and its
     long path (partials, then apply: in order on one stream) the next, so the number of lanes asked of
-    bucket_streams doubles; off, a bucket's three kernels share a stream. The streams are stand-ins
-    here (no CUDA), so the kernels run on the interpreter as usual and the result is checked too."""
+    bucket_streams doubles, where 2 x buckets fit the streams and the backward has
+    split_paths_min_lookups; otherwise a bucket's three kernels share a stream. The streams are
+    stand-ins here (no CUDA), so the kernels run on the interpreter as usual and the result is checked
+    too."""
     from torchrec_triton_tbe.config import load_named
     from torchrec_triton_tbe.ops import backward as bwd_ops
 
@@ -311,7 +322,7 @@ def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch
     monkeypatch.setattr(bwd_ops, "join_streams", lambda streams, device: None)
     monkeypatch.setattr(bwd_ops, "_launch_persistent", spy)
     base = load_named("interpreter").replace_backward(long_path="split")
-    cfg = base.replace_backward(bucket_streams=4, split_paths=split)
+    cfg = base.replace_backward(**{"bucket_streams": 4, **knobs})
     results = []
     for c in (base, cfg):
         ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=c, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)

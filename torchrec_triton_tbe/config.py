@@ -155,10 +155,14 @@ class BackwardConfig:
     bucket_streams: int = 1
     bucket_streams_min_lookups: int = 0
     # With bucket streams: a bucket's short kernel and its long path (partials, then apply) on streams
-    # of their own. Short and long runs are disjoint rows and only the long path reads the workspace,
-    # so the two may overlap; what overlaps is one kernel's tail (persistent programs finishing unevenly)
-    # with the other's start, which a one-bucket backward (every homogeneous shape) has no other way to get.
+    # of their own, in backwards of at least split_paths_min_lookups lookups whose buckets leave streams
+    # idle (2 x buckets <= bucket_streams). Short and long runs are disjoint rows and only the long path
+    # reads the workspace, so the two may overlap; what overlaps is one kernel's tail (persistent
+    # programs finishing unevenly) with the other's start, which a one-bucket backward (every
+    # homogeneous shape) has no other way to get. With more buckets than that, the buckets already
+    # fill the streams (splitting them measured 1-2 % slower).
     split_paths: bool = False
+    split_paths_min_lookups: int = 0
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -350,6 +354,7 @@ class KernelConfig:
                 bucket_streams=int(b.get("bucket_streams", 1)),
                 bucket_streams_min_lookups=int(b.get("bucket_streams_min_lookups", 0)),
                 split_paths=_bool(b.get("split_paths", False), "backward.split_paths", source or str(d["target"])),
+                split_paths_min_lookups=int(b.get("split_paths_min_lookups", 0)),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -408,6 +413,7 @@ class KernelConfig:
             ("backward.graph_cache", self.backward.graph_cache, 1, ""),
             ("backward.bucket_streams", self.backward.bucket_streams, 1, " (1: the caller's stream only)"),
             ("backward.bucket_streams_min_lookups", self.backward.bucket_streams_min_lookups, 0, ""),
+            ("backward.split_paths_min_lookups", self.backward.split_paths_min_lookups, 0, ""),
         ]:
             if v < least:
                 problems.append(f"{name} must be >= {least}{hint}")

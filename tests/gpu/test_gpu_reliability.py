@@ -73,10 +73,12 @@ def _configs():
         "bwd_streams_4_long_fused": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
                                                            long_path="fused"), {}),
         # backward.split_paths: each bucket's short kernel and long path on streams of their own
-        "bwd_split_paths": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
-                                                  split_paths=True), {}),
-        "bwd_split_paths_eager": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
-                                                        split_paths=True, graph_max_lookups=0), {}),
+        # (eight streams: the test tables' three buckets, two lanes each)
+        "bwd_split_paths": (base.replace_backward(bucket_streams=8, bucket_streams_min_lookups=0,
+                                                  split_paths=True, split_paths_min_lookups=0), {}),
+        "bwd_split_paths_eager": (base.replace_backward(bucket_streams=8, bucket_streams_min_lookups=0,
+                                                        split_paths=True, split_paths_min_lookups=0,
+                                                        graph_max_lookups=0), {}),
         "deterministic_algorithms": (base, dict(deterministic=True)),
     }
 
