@@ -293,8 +293,10 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
         (dict(split_paths=True), True),  # two buckets, four streams: each bucket's paths take two
         (dict(split_paths=True, bucket_streams=3), False),  # the buckets' paths would not fit the streams
         (dict(split_paths=True, split_paths_min_lookups=10**9), False),  # too few lookups
+        (dict(split_paths=True, split_paths_max_lookups=1), False),  # too many
+        (dict(split_paths=True, split_paths_min_lookups=1, split_paths_max_lookups=10**9), True),
     ],
-    ids=["off", "on", "streams_3", "below_min_lookups"],
+    ids=["off", "on", "streams_3", "below_min_lookups", "above_max_lookups", "inside_the_window"],
 )
 def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, knobs, split):
     """backward.split_paths: with bucket streams, each bucket's short kernel takes one stream and its

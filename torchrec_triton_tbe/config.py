@@ -155,14 +155,15 @@ class BackwardConfig:
     bucket_streams: int = 1
     bucket_streams_min_lookups: int = 0
     # With bucket streams: a bucket's short kernel and its long path (partials, then apply) on streams
-    # of their own, in backwards of at least split_paths_min_lookups lookups whose buckets leave streams
-    # idle (2 x buckets <= bucket_streams). Short and long runs are disjoint rows and only the long path
+    # of their own, in backwards of split_paths_min_lookups to split_paths_max_lookups lookups (0: no
+    # upper bound) whose buckets leave streams idle (2 x buckets <= bucket_streams). Short and long runs are disjoint rows and only the long path
     # reads the workspace, so the two may overlap; what overlaps is one kernel's tail (persistent
     # programs finishing unevenly) with the other's start, which a one-bucket backward (every
     # homogeneous shape) has no other way to get. With more buckets than that, the buckets already
     # fill the streams (splitting them measured 1-2 % slower).
     split_paths: bool = False
     split_paths_min_lookups: int = 0
+    split_paths_max_lookups: int = 0
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -355,6 +356,7 @@ class KernelConfig:
                 bucket_streams_min_lookups=int(b.get("bucket_streams_min_lookups", 0)),
                 split_paths=_bool(b.get("split_paths", False), "backward.split_paths", source or str(d["target"])),
                 split_paths_min_lookups=int(b.get("split_paths_min_lookups", 0)),
+                split_paths_max_lookups=int(b.get("split_paths_max_lookups", 0)),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -414,6 +416,7 @@ class KernelConfig:
             ("backward.bucket_streams", self.backward.bucket_streams, 1, " (1: the caller's stream only)"),
             ("backward.bucket_streams_min_lookups", self.backward.bucket_streams_min_lookups, 0, ""),
             ("backward.split_paths_min_lookups", self.backward.split_paths_min_lookups, 0, ""),
+            ("backward.split_paths_max_lookups", self.backward.split_paths_max_lookups, 0, " (0: no upper bound)"),
         ]:
             if v < least:
                 problems.append(f"{name} must be >= {least}{hint}")

@@ -183,7 +183,7 @@ def fused_update(
     # backward.split_paths: a bucket's short kernel and its long path are two such lanes (disjoint rows;
     # the workspace is the long path's alone), where the buckets alone would leave streams idle.
     split = (bcfg.split_paths and runs.num_lookups >= bcfg.split_paths_min_lookups
-             and 2 * len(live) <= bcfg.bucket_streams)
+             and not 0 < bcfg.split_paths_max_lookups < runs.num_lookups and 2 * len(live) <= bcfg.bucket_streams)
     streams = bucket_streams(bcfg, len(live) * (1 + split), runs.num_lookups, device)
     if small:
         # The path takes the small tables' features with enough lookups this call, decided on the
