@@ -5,8 +5,10 @@ initcheck); alone it is a quick smoke run that prints one line per case. It cove
 sequence (NONE) pooling; weighted, with and without a per-sample-weight gradient; int32 and int64 ids;
 fp32, fp16 and bf16 weights; every optimizer variant tests/gpu/test_gpu_optimizers.py checks; the
 short path alone, short + long split-K, and the fused and split long paths; the backward replayed from
-CUDA graphs; the D-bucket forward on side streams; the fused bounds check fed bad ids (WARNING and
-IGNORE), FATAL rejecting them, and the separate check; the hoisted transpose; a variable batch (VBE).
+CUDA graphs; the D-bucket forward on side streams, the backward's buckets on the device config's
+streams, and a bucket's short kernel and long path on two (split paths), eager and replayed; the fused
+bounds check fed bad ids (WARNING and IGNORE), FATAL rejecting them, and the separate check; the
+hoisted transpose; a variable batch (VBE).
 
     python tools/sanitize_cases.py [--list] [--only NAME,...]
 """
@@ -74,6 +76,7 @@ class Case:
     long_path: Optional[str] = "split"  # None: the device config (all short on these small batches)
     graphs: bool = False  # replay the backward from CUDA graphs (three steps of one batch shape)
     streams: bool = False  # the D-bucket forward on side streams
+    split_paths: bool = False  # each backward bucket's short kernel and long path on streams of their own
     vbe: bool = False
     steps: int = 2
 
@@ -93,6 +96,8 @@ def _cases() -> list[Case]:
         Case("graphs-replayed", long_path=None, graphs=True, steps=3),
         Case("graphs-replayed-long-fused", long_path="fused", graphs=True, steps=3, index_dtype=torch.int32),
         Case("bucket-streams", streams=True),
+        Case("split-paths", split_paths=True),
+        Case("split-paths-graphs-replayed", split_paths=True, graphs=True, steps=3),
         Case("fused-bounds-warning-bad-ids", fused_bounds_check=True, bad_ids=True),
         Case("fused-bounds-ignore-bad-ids-int32", fused_bounds_check=True, bounds=BoundsCheckMode.IGNORE,
              bad_ids=True, index_dtype=torch.int32),
@@ -135,6 +140,10 @@ def _module(case: Case) -> TritonTBE:
         cfg = cfg.replace_backward(graph_max_lookups=0)
     if case.streams:
         cfg = cfg.replace_forward(bucket_streams=4, bucket_streams_min_lookups=0)
+    if case.split_paths:
+        # Eight streams: the four buckets' two lanes each, at any batch size.
+        cfg = cfg.replace_backward(bucket_streams=8, bucket_streams_min_lookups=0, split_paths=True,
+                                   split_paths_min_lookups=0, split_paths_max_lookups=0)
     optimizer, extra = OPTIMIZERS[case.optimizer]
     specs = SPECS if case.pooling != PoolingMode.NONE else [(r, 64) for r, _ in SPECS]
     m = TritonTBE(specs, feature_table_map=FTM, device=DEV, optimizer=optimizer, pooling_mode=case.pooling,
