@@ -301,8 +301,9 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
 def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, knobs, split):
     """backward.split_paths: with bucket streams, each bucket's short kernel takes one stream and its
     long path (partials, then apply: in order on one stream) the next, so the number of lanes asked of
-    bucket_streams doubles, where 2 x buckets fit the streams and the backward has
-    split_paths_min_lookups; otherwise a bucket's three kernels share a stream. The streams are
+    bucket_streams doubles, where 2 x buckets fit the streams and the backward's lookups are within
+    [split_paths_min_lookups, split_paths_max_lookups]; otherwise a bucket's three kernels share a
+    stream. The streams are
     stand-ins here (no CUDA), so the kernels run on the interpreter as usual and the result is checked
     too."""
     from torchrec_triton_tbe.config import load_named
