@@ -3,8 +3,9 @@
 For each BLOCK_D bucket of the shape's tables (plan.TablePlan, as the module builds it): its lookups
 (batch x each table's fixed bag size, as the suite's generator draws them), its share of the lookups
 and of the backward's gradient bytes (lookups x BLOCK_D x 4: each lookup reads one fp32 gradient row
-of the bucket's tile width), and the stream the backward's round-robin assignment gives it
-(ops/backward.fused_update with ``backward.bucket_streams`` of the config, no small-table path). The
+of the bucket's tile width), and the stream the backward's assignment gives its short kernel
+(ops/backward.update_lanes with the config's ``backward`` knobs, no small-table path; a bucket whose
+long path takes a stream of its own, backward.split_paths, is counted on its short kernel's). The
 busiest stream's share beside the heaviest bucket's says how much a better balance could gain: the
 update cannot finish before its heaviest bucket. Then the one-launch forward's column slices
 (``forward.grouped_block_d`` wide, ops/forward.py): which share of the slices' columns the tables fill,
@@ -28,6 +29,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torchrec_triton_tbe.config import load_named  # noqa: E402
+from torchrec_triton_tbe.ops.backward import update_lanes  # noqa: E402
 from torchrec_triton_tbe.plan import TablePlan  # noqa: E402
 
 SUITE = Path(__file__).resolve().parent.parent / "configs" / "suites" / "h200.yaml"
@@ -57,11 +59,13 @@ def shares(name: str, config: str = "sm90") -> dict:
     lookups = [B * sum(bags[k] for k in b.tables) for b in buckets]
     grad_bytes = [n * b.block_d * 4 for n, b in zip(lookups, buckets)]
     total_lookups, total_bytes = sum(lookups), sum(grad_bytes)
-    n_streams = min(cfg.backward.bucket_streams, len(buckets))
+    num_lanes, lanes = update_lanes(cfg.backward, len(buckets), total_lookups, False)
+    bcfg = cfg.backward
+    n_streams = min(bcfg.bucket_streams, num_lanes) if total_lookups >= bcfg.bucket_streams_min_lookups else 1
     per_stream = [0.0] * max(n_streams, 1)
     rows_out = []
-    for j, (b, n, g) in enumerate(zip(buckets, lookups, grad_bytes)):
-        stream = j % len(per_stream)
+    for (b, n, g), (lane, _) in zip(zip(buckets, lookups, grad_bytes), lanes):
+        stream = lane % len(per_stream)
         per_stream[stream] += g / total_bytes
         rows_out.append(dict(block_d=b.block_d, tables=len(b.tables), lookups=n, lookup_share=n / total_lookups,
                              grad_byte_share=g / total_bytes, stream=stream))

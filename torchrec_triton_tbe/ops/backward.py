@@ -143,6 +143,20 @@ def grad_rows(spec: TBESpec, offsets: torch.Tensor, B: int, vbe: Optional[VBELay
     return offsets[: spec.plan.num_features * B : B].to(torch.int64) * D, D, False, None
 
 
+def update_lanes(bcfg: BackwardConfig, num_buckets: int, num_lookups: int, small: bool) -> tuple:
+    """(lanes to ask of ops/launch.bucket_streams, per live bucket (the lane of its short kernel, the lane
+    of its long path)); lane i runs on streams[i % len(streams)]. One lane per bucket,
+    or two with backward.split_paths: a bucket's short kernel and its long path update disjoint rows
+    and the workspace is the long path's alone, so they may overlap where the buckets alone would leave
+    streams idle (2 x buckets <= bucket_streams) and the backward's lookups are within the knob's window.
+    ``small``: the small-table kernels go first on the caller's stream (lane 0), so the first bucket
+    takes a side stream. From host ints only."""
+    split = int(bcfg.split_paths and num_lookups >= bcfg.split_paths_min_lookups
+                and not 0 < bcfg.split_paths_max_lookups < num_lookups and 2 * num_buckets <= bcfg.bucket_streams)
+    per = 1 + split
+    return num_buckets * per, [(j * per + small, j * per + small + split) for j in range(num_buckets)]
+
+
 def fused_update(
     spec: TBESpec,
     state: OptimizerTensors,
@@ -180,11 +194,8 @@ def fused_update(
     # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
     # reads its partials), and the join below orders everything after them, the step counter's
     # increment (which they read) included.
-    # backward.split_paths: a bucket's short kernel and its long path are two such lanes (disjoint rows;
-    # the workspace is the long path's alone), where the buckets alone would leave streams idle.
-    split = (bcfg.split_paths and runs.num_lookups >= bcfg.split_paths_min_lookups
-             and not 0 < bcfg.split_paths_max_lookups < runs.num_lookups and 2 * len(live) <= bcfg.bucket_streams)
-    streams = bucket_streams(bcfg, len(live) * (1 + split), runs.num_lookups, device)
+    num_lanes, lanes = update_lanes(bcfg, len(live), runs.num_lookups, small)
+    streams = bucket_streams(bcfg, num_lanes, runs.num_lookups, device)
     if small:
         # The path takes the small tables' features with enough lookups this call, decided on the
         # device; the generic kernels below apply the others' runs (the taken ones have none). The two
@@ -194,10 +205,7 @@ def fused_update(
                 small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
     for j, k in enumerate(live):
         bucket = plan.buckets[k]
-        # The small-table kernels went first on the caller's stream: the first bucket takes a side stream.
-        lane = j * (1 + split) + small
-        stream = streams[lane % len(streams)] if streams else None
-        long_stream = streams[(lane + split) % len(streams)] if streams else None
+        stream, long_stream = (streams[lane % len(streams)] for lane in lanes[j]) if streams else (None, None)
         bd = bucket.block_d
         tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
         common = dict(
