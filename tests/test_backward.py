@@ -1,6 +1,7 @@
 """Training against the oracles: weights and optimizer state after several steps, per-sample-weight
 gradients, feature_requires_grad; every test uses skewed ids and asserts both backward paths ran."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -289,23 +290,29 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
 @pytest.mark.parametrize(
     "knobs,split",
     [
-        (dict(split_paths=False), False),
-        (dict(split_paths=True), True),  # two buckets, four streams: each bucket's paths take two
-        (dict(split_paths=True, bucket_streams=3), False),  # the buckets' paths would not fit the streams
-        (dict(split_paths=True, split_paths_min_lookups=10**9), False),  # too few lookups
-        (dict(split_paths=True, split_paths_max_lookups=1), False),  # too many
-        (dict(split_paths=True, split_paths_min_lookups=1, split_paths_max_lookups=10**9), True),
+        (dict(split_paths=False), (False, False)),
+        (dict(split_paths=True), (True, True)),  # two buckets, four streams: each bucket's paths take two
+        (dict(split_paths=True, bucket_streams=3), (False, False)),  # the buckets' paths would not fit
+        (dict(split_paths=True, split_paths_min_lookups=10**9), (False, False)),  # too few lookups
+        (dict(split_paths=True, split_paths_max_lookups=1), (False, False)),  # too many
+        (dict(split_paths=True, split_paths_min_lookups=1, split_paths_max_lookups=10**9), (True, True)),
+        # three streams for two buckets: the heavier one (three features of BLOCK_D 16 against one of 8)
+        # takes two of them, the other the third
+        (dict(split_heaviest=True, bucket_streams=3), (False, True)),
+        (dict(split_heaviest=True, bucket_streams=3, split_paths_min_lookups=10**9), (False, False)),
+        (dict(split_heaviest=True, split_paths=True), (True, True)),  # all fit: every bucket's split
     ],
-    ids=["off", "on", "streams_3", "below_min_lookups", "above_max_lookups", "inside_the_window"],
+    ids=["off", "on", "streams_3", "below_min_lookups", "above_max_lookups", "inside_the_window",
+         "heaviest", "heaviest_below_min_lookups", "heaviest_and_all_fit"],
 )
 def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch, knobs, split):
     """backward.split_paths: with bucket streams, each bucket's short kernel takes one stream and its
     long path (partials, then apply: in order on one stream) the next, so the number of lanes asked of
     bucket_streams doubles, where 2 x buckets fit the streams and the backward's lookups are within
     [split_paths_min_lookups, split_paths_max_lookups]; otherwise a bucket's three kernels share a
-    stream. The streams are
-    stand-ins here (no CUDA), so the kernels run on the interpreter as usual and the result is checked
-    too."""
+    stream. backward.split_heaviest: where they do not fit, the heaviest bucket alone splits. The streams
+    are stand-ins here (no CUDA), so the kernels run on the interpreter as usual and the result is
+    checked too."""
     from torchrec_triton_tbe.config import load_named
     from torchrec_triton_tbe.ops import backward as bwd_ops
 
@@ -335,13 +342,39 @@ def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch
         out.backward(torch.ones_like(out))
         results.append([w.clone() for w in ours.split_embedding_weights()] + [ours.momentum1.clone()])
     buckets = len(ours._spec.plan.buckets)
-    assert buckets == 2 and asked[-1] == buckets * (2 if split else 1)
+    assert buckets == 2 and asked[-1] == buckets + sum(split)
     kinds = [bwd_ops._backward_short_kernel, bwd_ops._backward_long_partials_kernel, bwd_ops._backward_long_apply_kernel]
     assert [k for k, _ in placed] == kinds * buckets
     for j in range(buckets):
         short, partials, apply = (s for _, s in placed[3 * j: 3 * j + 3])
         assert partials == apply  # the apply reads its partials: one stream, in order
-        assert (short != partials) == split
-    assert len({s for _, s in placed}) == (4 if split else 2)
+        assert (short != partials) == split[j]
+    assert len({s for _, s in placed}) == buckets + sum(split)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("small", [0, 1])
+def test_split_heaviest_lanes(small):
+    """ops/backward.update_lanes, backward.split_heaviest: seven buckets on four streams (the production
+    shapes'); the heaviest takes the first two lanes (the small-table kernels' lane 0 before them), the
+    others one lane each after them, so lane i % 4 puts the heaviest's short kernel and long path on
+    streams no other bucket shares first; the lookups gate it; with the knob off, one lane per bucket."""
+    from torchrec_triton_tbe.config import load_named
+    from torchrec_triton_tbe.ops.backward import update_lanes
+
+    weights = [8, 40, 112, 160, 448, 1280, 1024]  # prod_t40: features x BLOCK_D per bucket
+    on = dataclasses.replace(load_named("interpreter").backward, bucket_streams=4, split_heaviest=True,
+                             split_paths=True, split_paths_min_lookups=100, split_paths_max_lookups=200)
+    num_lanes, lanes = update_lanes(on, weights, 1000, bool(small))
+    assert num_lanes == 8
+    assert lanes[5] == (small, small + 1)
+    others = [lanes[j] for j in range(7) if j != 5]
+    assert all(a == b for a, b in others) and [a for a, _ in others] == list(range(small + 2, small + 8))
+    assert [lane % 4 for lane, _ in others][:2] == [(small + 2) % 4, (small + 3) % 4]
+    # below the lookups' floor, or off: one lane per bucket, in plan order
+    for cfg, lookups in ((on, 99), (dataclasses.replace(on, split_heaviest=False), 1000)):
+        assert update_lanes(cfg, weights, lookups, bool(small)) == (7, [(j + small, j + small) for j in range(7)])
+    # equal weights: the first in plan order; one stream: nothing to split
+    assert update_lanes(on, [5, 5, 5], 1000, False)[1][0] == (0, 1)
+    assert update_lanes(dataclasses.replace(on, bucket_streams=1), weights, 1000, False)[0] == 7

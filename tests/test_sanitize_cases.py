@@ -20,7 +20,7 @@ def test_case_list_covers_every_specialization_family():
     assert {c.optimizer for c in cases} == set(sanitize_cases.OPTIMIZERS)
     assert {c.pooling for c in cases} == {PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE}
     assert {c.long_path for c in cases} == {None, "split", "fused"}
-    for flag in ("weighted", "psw_grad", "fused_bounds_check", "hoist_transpose", "bad_ids", "graphs", "streams", "split_paths", "vbe"):
+    for flag in ("weighted", "psw_grad", "fused_bounds_check", "hoist_transpose", "bad_ids", "graphs", "streams", "split_paths", "split_heaviest", "vbe"):
         assert any(getattr(c, flag) for c in cases), flag
 
 

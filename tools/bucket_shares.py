@@ -59,16 +59,17 @@ def shares(name: str, config: str = "sm90") -> dict:
     lookups = [B * sum(bags[k] for k in b.tables) for b in buckets]
     grad_bytes = [n * b.block_d * 4 for n, b in zip(lookups, buckets)]
     total_lookups, total_bytes = sum(lookups), sum(grad_bytes)
-    num_lanes, lanes = update_lanes(cfg.backward, len(buckets), total_lookups, False)
+    num_lanes, lanes = update_lanes(cfg.backward, [len(b.features) * b.block_d for b in buckets], total_lookups, False)
     bcfg = cfg.backward
     n_streams = min(bcfg.bucket_streams, num_lanes) if total_lookups >= bcfg.bucket_streams_min_lookups else 1
     per_stream = [0.0] * max(n_streams, 1)
     rows_out = []
-    for (b, n, g), (lane, _) in zip(zip(buckets, lookups, grad_bytes), lanes):
+    for (b, n, g), (lane, long_lane) in zip(zip(buckets, lookups, grad_bytes), lanes):
         stream = lane % len(per_stream)
         per_stream[stream] += g / total_bytes
         rows_out.append(dict(block_d=b.block_d, tables=len(b.tables), lookups=n, lookup_share=n / total_lookups,
-                             grad_byte_share=g / total_bytes, stream=stream))
+                             grad_byte_share=g / total_bytes, stream=stream,
+                             long_stream=long_lane % len(per_stream)))
     width = cfg.forward.grouped_block_d
     used = sum(B * bags[k] * dims[k] for k in range(len(dims)))
     slots = sum(B * bags[k] * -(-dims[k] // width) * width for k in range(len(dims)))
@@ -89,11 +90,11 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['shape']}: B={r['batch']}, {r['lookups'] / 1e6:.2f} M lookups, {len(r['buckets'])} buckets "
               f"on {r['bucket_streams']} streams")
-        print("| BLOCK_D | tables | lookups (M) | lookup share | gradient-byte share | stream |")
-        print("|---|---|---|---|---|---|")
+        print("| BLOCK_D | tables | lookups (M) | lookup share | gradient-byte share | stream | long path's |")
+        print("|---|---|---|---|---|---|---|")
         for b in r["buckets"]:
             print(f"| {b['block_d']} | {b['tables']} | {b['lookups'] / 1e6:.2f} | {b['lookup_share']:.2f} | "
-                  f"{b['grad_byte_share']:.2f} | {b['stream']} |")
+                  f"{b['grad_byte_share']:.2f} | {b['stream']} | {b['long_stream']} |")
         print(f"busiest stream {r['busiest_stream_share']:.2f} of the gradient bytes, heaviest bucket "
               f"{r['heaviest_bucket_share']:.2f}; one-launch forward ({'taken' if r['grouped_applies'] else 'not taken'} "
               f"at this batch): {r['grouped_block_d']}-wide slices {r['slice_column_use']:.2f} used (lookup-weighted)")

@@ -77,6 +77,7 @@ class Case:
     graphs: bool = False  # replay the backward from CUDA graphs (three steps of one batch shape)
     streams: bool = False  # the D-bucket forward on side streams
     split_paths: bool = False  # each backward bucket's short kernel and long path on streams of their own
+    split_heaviest: bool = False  # the heaviest backward bucket's two paths on two of four streams
     vbe: bool = False
     steps: int = 2
 
@@ -98,6 +99,7 @@ def _cases() -> list[Case]:
         Case("bucket-streams", streams=True),
         Case("split-paths", split_paths=True),
         Case("split-paths-graphs-replayed", split_paths=True, graphs=True, steps=3),
+        Case("split-heaviest", split_heaviest=True),
         Case("fused-bounds-warning-bad-ids", fused_bounds_check=True, bad_ids=True),
         Case("fused-bounds-ignore-bad-ids-int32", fused_bounds_check=True, bounds=BoundsCheckMode.IGNORE,
              bad_ids=True, index_dtype=torch.int32),
@@ -144,6 +146,10 @@ def _module(case: Case) -> TritonTBE:
         # Eight streams: the four buckets' two lanes each, at any batch size.
         cfg = cfg.replace_backward(bucket_streams=8, bucket_streams_min_lookups=0, split_paths=True,
                                    split_paths_min_lookups=0, split_paths_max_lookups=0)
+    if case.split_heaviest:
+        # Four streams for the four buckets: the heaviest's short kernel and long path on two of them.
+        cfg = cfg.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0, split_heaviest=True,
+                                   split_paths_min_lookups=0)
     optimizer, extra = OPTIMIZERS[case.optimizer]
     specs = SPECS if case.pooling != PoolingMode.NONE else [(r, 64) for r, _ in SPECS]
     m = TritonTBE(specs, feature_table_map=FTM, device=DEV, optimizer=optimizer, pooling_mode=case.pooling,

@@ -164,6 +164,12 @@ class BackwardConfig:
     split_paths: bool = False
     split_paths_min_lookups: int = 0
     split_paths_max_lookups: int = 0
+    # Where the buckets do fill the streams (2 x buckets > bucket_streams): the heaviest bucket alone
+    # (features x BLOCK_D, from the plan) puts its short kernel and long path on two streams, the first
+    # two, and the other buckets go round the rest, in backwards of at least split_paths_min_lookups
+    # lookups. The production shapes' update cannot end before that bucket (40-61 % of their gradient
+    # bytes, tools/bucket_shares.py), and round-robin puts another bucket on its stream.
+    split_heaviest: bool = False
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -357,6 +363,8 @@ class KernelConfig:
                 split_paths=_bool(b.get("split_paths", False), "backward.split_paths", source or str(d["target"])),
                 split_paths_min_lookups=int(b.get("split_paths_min_lookups", 0)),
                 split_paths_max_lookups=int(b.get("split_paths_max_lookups", 0)),
+                split_heaviest=_bool(b.get("split_heaviest", False), "backward.split_heaviest",
+                                     source or str(d["target"])),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),

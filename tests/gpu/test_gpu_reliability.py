@@ -79,6 +79,12 @@ def _configs():
         "bwd_split_paths_eager": (base.replace_backward(bucket_streams=8, bucket_streams_min_lookups=0,
                                                         split_paths=True, split_paths_min_lookups=0,
                                                         graph_max_lookups=0), {}),
+        # backward.split_heaviest: three buckets on four streams, the heaviest's paths on two of them
+        "bwd_split_heaviest": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
+                                                     split_heaviest=True, split_paths_min_lookups=0), {}),
+        "bwd_split_heaviest_eager": (base.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0,
+                                                           split_heaviest=True, split_paths_min_lookups=0,
+                                                           graph_max_lookups=0), {}),
         "deterministic_algorithms": (base, dict(deterministic=True)),
     }
 

@@ -256,11 +256,12 @@ def test_bucket_streams_match_one_stream_sync_free_and_in_graphs():
         assert torch.equal(captured, one(static_idx.clone(), off))
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["buckets", "split_paths"])
+@pytest.mark.parametrize("split", ["", "split_paths", "split_heaviest"], ids=["buckets", "split_paths", "split_heaviest"])
 @pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
 def test_backward_bucket_streams_match_one_stream_without_host_sync(optimizer, split):
     """backward.bucket_streams: each D bucket's update kernels on its own stream (SPECS: three buckets;
-    with split_paths each bucket's short kernel and long path on two of eight) train bit for bit as on one
+    with split_paths each bucket's short kernel and long path on two of eight, with split_heaviest the
+    heaviest bucket's on two of four) train bit for bit as on one
     stream, eagerly, with per-sample weights and on a replayed (captured) backward, and issue no host
     sync. tests/gpu/test_gpu_reliability.py runs the same schedules against its base config over more
     steps."""
@@ -269,8 +270,10 @@ def test_backward_bucket_streams_match_one_stream_without_host_sync(optimizer, s
     base = load_config(DEV).replace_backward(graph_max_lookups=1 << 24)
     kw = dict(optimizer=optimizer, weights_precision=SparseType.FP16, stochastic_rounding=False, learning_rate=0.05)
     one, many = _stream_twins(base.replace_backward(bucket_streams=1),
-                              base.replace_backward(bucket_streams=8 if split else 4, bucket_streams_min_lookups=0,
-                                                    split_paths=split, split_paths_min_lookups=0), **kw)
+                              base.replace_backward(bucket_streams=8 if split == "split_paths" else 4,
+                                                    bucket_streams_min_lookups=0, split_paths=split == "split_paths",
+                                                    split_heaviest=split == "split_heaviest",
+                                                    split_paths_min_lookups=0), **kw)
     # Steps 0-1 capture and replay the same batch shape's backward (graph_max_lookups), 2 is weighted.
     for step, (seed, weighted) in enumerate([(0, False), (0, False), (1, True), (0, False)]):
         idx, off, psw = batch(seed, weighted=weighted)

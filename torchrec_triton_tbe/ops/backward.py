@@ -12,7 +12,7 @@ the kernel, with a counter per run).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -143,18 +143,33 @@ def grad_rows(spec: TBESpec, offsets: torch.Tensor, B: int, vbe: Optional[VBELay
     return offsets[: spec.plan.num_features * B : B].to(torch.int64) * D, D, False, None
 
 
-def update_lanes(bcfg: BackwardConfig, num_buckets: int, num_lookups: int, small: bool) -> tuple:
+def update_lanes(bcfg: BackwardConfig, weights: Sequence[int], num_lookups: int, small: bool) -> tuple:
     """(lanes to ask of ops/launch.bucket_streams, per live bucket (the lane of its short kernel, the lane
-    of its long path)); lane i runs on streams[i % len(streams)]. One lane per bucket,
-    or two with backward.split_paths: a bucket's short kernel and its long path update disjoint rows
-    and the workspace is the long path's alone, so they may overlap where the buckets alone would leave
-    streams idle (2 x buckets <= bucket_streams) and the backward's lookups are within the knob's window.
-    ``small``: the small-table kernels go first on the caller's stream (lane 0), so the first bucket
-    takes a side stream. From host ints only."""
+    of its long path)); lane i runs on streams[i % len(streams)]. ``weights``: each live bucket's host-side
+    size estimate (features x BLOCK_D: its gradient bytes if the features' bags were alike). One lane per
+    bucket, or two with backward.split_paths: a bucket's short kernel and its long path update disjoint
+    rows and the workspace is the long path's alone, so they may overlap where the buckets alone would
+    leave streams idle (2 x buckets <= bucket_streams) and the backward's lookups are within the knob's
+    window. Where the buckets fill the streams, backward.split_heaviest gives only the heaviest bucket two
+    lanes, the first two (the update cannot end before its heaviest bucket, and round-robin puts another
+    bucket beside it), from split_paths_min_lookups lookups. ``small``: the small-table kernels go first
+    on the caller's stream (lane 0), so the first bucket takes a side stream. From host ints only."""
+    n = len(weights)
     split = int(bcfg.split_paths and num_lookups >= bcfg.split_paths_min_lookups
-                and not 0 < bcfg.split_paths_max_lookups < num_lookups and 2 * num_buckets <= bcfg.bucket_streams)
+                and not 0 < bcfg.split_paths_max_lookups < num_lookups and 2 * n <= bcfg.bucket_streams)
+    if (not split and bcfg.split_heaviest and n >= 2 and 2 * n > bcfg.bucket_streams >= 2
+            and num_lookups >= bcfg.split_paths_min_lookups):
+        heavy = max(range(n), key=lambda j: weights[j])  # the first of equals: plan order
+        lanes, nxt = [], small + 2
+        for j in range(n):
+            if j == heavy:
+                lanes.append((small, small + 1))
+            else:
+                lanes.append((nxt, nxt))
+                nxt += 1
+        return n + 1, lanes
     per = 1 + split
-    return num_buckets * per, [(j * per + small, j * per + small + split) for j in range(num_buckets)]
+    return n * per, [(j * per + small, j * per + small + split) for j in range(n)]
 
 
 def fused_update(
@@ -194,7 +209,8 @@ def fused_update(
     # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
     # reads its partials), and the join below orders everything after them, the step counter's
     # increment (which they read) included.
-    num_lanes, lanes = update_lanes(bcfg, len(live), runs.num_lookups, small)
+    weights = [len(plan.buckets[k].features) * plan.buckets[k].block_d for k in live]
+    num_lanes, lanes = update_lanes(bcfg, weights, runs.num_lookups, small)
     streams = bucket_streams(bcfg, num_lanes, runs.num_lookups, device)
     if small:
         # The path takes the small tables' features with enough lookups this call, decided on the
