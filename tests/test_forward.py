@@ -378,3 +378,96 @@ def test_forward_launch_keys_equal_the_arguments_key(monkeypatch, kernel_config)
     launches = 1 if kernel_config == "grouped" else len(ours.spec.plan.buckets)
     assert len(seen) == 3 * launches
     assert all(key == expected for key, expected in seen)
+
+
+# Narrow features in the one launch (forward.grouped_narrow): 32-wide slices, WIDE_SPECS' 6-wide feature on
+# 8-wide tiles, the 12-wide one on 16-wide tiles, the 20-, 32- and 64-wide ones on the slices.
+def narrow(lanes: int = 2, widths=(8, 16), narrow_lanes=KnobTable(1), **changes):
+    return grouped(lanes, block_d=32, grouped_narrow=tuple(widths), grouped_narrow_lanes=narrow_lanes, **changes)
+
+
+def test_narrow_levels_are_the_widths_some_feature_takes():
+    cfg = narrow(widths=(8, 16), narrow_lanes=KnobTable(1, ((8, 8), (16, 2)))).forward
+    assert cfg.narrow_levels(32, [32, 20, 64, 12, 6]) == ((8, 4), (16, 2))  # 8-wide: lanes capped at 32 / 8
+    assert cfg.narrow_levels(32, [32, 12]) == ((16, 2),)  # nothing at most 8 wide: no 8-wide branch
+    assert cfg.narrow_levels(32, [32, 6]) == ((8, 4),)  # nothing in (8, 16]
+    assert cfg.narrow_levels(16, [16, 12, 6]) == ((8, 2),)  # 16 is the slice itself; lanes capped at 16 / 8
+    assert cfg.narrow_levels(32, [64, 32]) == ()
+    assert INTERPRETER.forward.narrow_levels(64, [4, 8]) == ()  # off unless configured
+
+
+def test_narrow_constexprs_only_in_the_one_launch():
+    from torchrec_triton_tbe.ops.forward import _launches
+
+    m, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=narrow(max_batch=8))
+    (one,) = _launches(m.spec, 8, 40, False, 4)
+    cx = one[3]
+    assert cx["COL_CHUNKS"] and cx["BLOCK_D"] == 32
+    assert (cx["NARROW"], cx["NARROW_LANES"], cx["NARROW2"], cx["NARROW2_LANES"]) == (8, 1, 16, 1)
+    per_bucket = _launches(m.spec, 9, 40, False, 4)  # above grouped_max_batch: no slices, no narrow tiles
+    assert not any("NARROW" in x[3] for x in per_bucket)
+
+
+NARROW_CASES = [
+    (PoolingMode.SUM, False, SparseType.FP32, torch.int64, 1, (1, 1)),
+    (PoolingMode.MEAN, True, SparseType.FP16, torch.int32, 2, (4, 2)),
+    (PoolingMode.SUM, True, SparseType.BF16, torch.int64, 4, (2, 1)),
+    (PoolingMode.MEAN, False, SparseType.FP32, torch.int32, 1, (4, 2)),
+]
+
+
+@pytest.mark.parametrize("pooling,weighted,weights,index_dtype,lanes,narrow_lanes", NARROW_CASES,
+                         ids=[f"{p.name}-{'w' if w else 'u'}-{a.name}-{str(i)[6:]}-lanes{n}-x{m[0]}{m[1]}"
+                              for p, w, a, i, n, m in NARROW_CASES])
+def test_narrow_tiles_match_per_bucket(pooling, weighted, weights, index_dtype, lanes, narrow_lanes):
+    # Narrow tiles regroup a narrow feature's sums (more ids per step, or more bags side by side): the
+    # same output as the per-bucket launches up to fp32 rounding, B not a multiple of any lane count.
+    kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
+              embedding_table_offset_type=index_dtype)
+    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
+    table = KnobTable(1, ((8, narrow_lanes[0]), (16, narrow_lanes[1])))
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=narrow(lanes, narrow_lanes=table),
+                        **kw)
+    g = torch.Generator().manual_seed(12)
+    rows = [r for r, _ in WIDE_SPECS]
+    for B, L in [(7, 6), (3, 1), (5, 19)]:
+        x = skewed_batch(rows, WIDE_FTM, B=B, max_L=L, generator=g, weighted=weighted, index_dtype=index_dtype)
+        with torch.no_grad():
+            out = ours(x.indices, x.offsets, x.per_sample_weights)
+            expected = base(x.indices, x.offsets, x.per_sample_weights)
+        assert_close(out, expected, f"narrow tiles vs per bucket, B={B}", **tolerance(torch.float32))
+    (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward" and key[1] == 5]
+    assert plan[0][3]["NARROW"] == 8  # the batches above took the one launch with its narrow tiles
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+def test_narrow_tiles_fused_repair(mode):
+    # The 12-wide feature pools 16-wide tiles four bags side by side: its bad ids are repaired in place
+    # and counted once, as the 32-wide feature's two slices do for theirs.
+    specs, ftm = [(10, 32), (6, 12)], [0, 1]
+    cfg = narrow(2, widths=(16,), narrow_lanes=KnobTable(2))
+    ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
+                          kernel_config=cfg)
+    indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
+    offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
+    expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
+    idx = indices.clone()
+    out = ours(idx, offsets.clone())
+    assert torch.equal(idx, expected_ids), idx
+    assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
+                 atol=1e-6, rtol=1e-6)
+    assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
+    (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
+    assert plan[0][3]["NARROW"] == 16 and plan[0][3]["NARROW_LANES"] == 2
+
+
+def test_narrow_tiles_with_vbe_match_per_bucket():
+    sizes = [[3, 1], [2, 4], [0, 3], [5, 0], [1, 1], [2, 2]]  # features x ranks (an empty feature-rank)
+    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(2))
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference",
+                        kernel_config=narrow(2, narrow_lanes=KnobTable(2)))
+    idx, offsets, _ = vbe_batch(sizes, torch.Generator().manual_seed(6), specs=WIDE_SPECS, ftm=WIDE_FTM)
+    with torch.no_grad():
+        out = ours(idx, offsets, batch_size_per_feature_per_rank=sizes)
+        expected = base(idx, offsets, batch_size_per_feature_per_rank=sizes)
+    assert_close(out, expected, "VBE: narrow tiles vs per bucket", **tolerance(torch.float32))

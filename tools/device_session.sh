@@ -44,6 +44,8 @@
 #               racecheck, synccheck and initcheck (logs and summary.txt in $OUT/sanitizer)
 #   initcheck-probe  initcheck on a PyTorch-only CUDA graph that sorts 2,816 and 8,192 keys (is the open
 #               initcheck finding of docs/reliability.md the tool's view of graph copy nodes?)
+#   initcheck-backtrace  initcheck with host backtraces on the graphs-replayed case after the case it followed
+#               in the sanitizer run (INITCHECK_CASES: other --only lists), for the open finding of docs/reliability.md
 #   reliability tests/gpu/test_gpu_reliability.py: determinism across runs and schedules, extremes
 #   grouped     the pooled forward in one launch for every D bucket vs one launch per bucket, per slice
 #               width (tools/forward_grouped.py), FBGEMM beside it; writes /tmp/sm90_grouped.yaml with the
@@ -239,6 +241,16 @@ PY
           python tools/sanitize_cases.py --probe-graph-sort $n > "$OUT/initcheck_probe_$n.txt" 2>&1
         echo "n=$n rc=$? $(grep -c 'Uninitialized' "$OUT/initcheck_probe_$n.txt") reports:" \
           "$(grep -m1 'ERROR SUMMARY' "$OUT/initcheck_probe_$n.txt")"
+      done ;;
+    initcheck-backtrace)
+      # The open initcheck finding (docs/reliability.md): its case after the case it followed, with host
+      # backtraces to name the copy's caller; the full log gzipped, the first report printed.
+      for only in ${INITCHECK_CASES:-long-fused-fp32-lamb,graphs-replayed}; do
+        log="$OUT/initcheck_bt_${only//,/_}.txt"
+        timeout 200 "${SANITIZER:-compute-sanitizer}" --tool initcheck --print-limit 0 --show-backtrace host \
+          python tools/sanitize_cases.py --only "$only" > "$log" 2>&1
+        echo "$only rc=$? $(grep -c 'Uninitialized' "$log") reports: $(grep -m1 'ERROR SUMMARY' "$log")"
+        grep -m1 -B2 -A40 'Uninitialized' "$log" | cut -c1-200; gzip -f "$log"
       done ;;
     reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;

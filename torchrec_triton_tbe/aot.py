@@ -69,7 +69,7 @@ def specialization(fn, args, kwargs) -> tuple:
     bound.update(kwargs)
     signature, constexprs, divisible = {}, {}, []
     for i, p in enumerate(params):
-        value = bound[p.name]
+        value = bound[p.name] if p.name in bound else p.default  # a parameter left at its default
         plain = getattr(p, "do_not_specialize", False)
         if p.is_constexpr or (not plain and isinstance(value, int) and not isinstance(value, bool) and value == 1):
             signature[p.name] = "constexpr"

@@ -17,7 +17,7 @@ import functools
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import yaml
@@ -95,6 +95,26 @@ class ForwardConfig:
     # tables' (and the small-batch ones') at BLOCK_D = grouped_block_d.
     grouped_max_batch: int = 0
     grouped_block_d: int = 64
+    # In that launch, features at most grouped_narrow[i] wide (the first width that holds them; at most
+    # two ascending powers of two below the slice width, () for none) pool tiles that wide instead of
+    # the slice's, with grouped_block_d / width times the rows per step: grouped_narrow_lanes (by width,
+    # at most that ratio) times the bags side by side, the rest as more ids per step (kernels/forward.py
+    # NARROW). A 4-wide feature in a 64-wide slice masked 15 of 16 columns of every tile and took as many
+    # dependent id -> row steps per bag as a 64-wide one.
+    grouped_narrow: tuple[int, ...] = ()
+    grouped_narrow_lanes: KnobTable = KnobTable(1)
+
+    def narrow_levels(self, block_d: int, dims: Iterable[int]) -> tuple[tuple[int, int], ...]:
+        """((width, lanes), ...) of the one-launch forward at slice width ``block_d`` over features of
+        widths ``dims``: the grouped_narrow widths below block_d that some feature takes (a width no
+        feature takes would only add a branch to compile). From host ints only."""
+        dims = sorted(set(dims))
+        levels, below = [], 0
+        for w in self.grouped_narrow:
+            if w < block_d and any(below < d <= w for d in dims):
+                levels.append((w, min(self.grouped_narrow_lanes.get(w), block_d // w)))
+            below = max(below, w)
+        return tuple(levels)
 
     def lanes(self, block_d: int, weight_bytes: int) -> int:
         return _by_weights(self.bag_lanes, self.bag_lanes_fp32, block_d, weight_bytes)
@@ -337,6 +357,8 @@ class KernelConfig:
                                  if "bag_lanes_small" in f else None),
                 grouped_max_batch=int(f.get("grouped_max_batch", 0)),
                 grouped_block_d=int(f.get("grouped_block_d", 64)),
+                grouped_narrow=tuple(int(w) for w in (f.get("grouped_narrow") or ())),
+                grouped_narrow_lanes=KnobTable.parse(f.get("grouped_narrow_lanes", 1), "forward.grouped_narrow_lanes"),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -387,6 +409,7 @@ class KernelConfig:
             ("forward.bag_lanes_fp32", self.forward.bag_lanes_fp32 or KnobTable(1)),
             ("forward.gather_small", self.forward.gather_small or KnobTable(1)),
             ("forward.bag_lanes_small", self.forward.bag_lanes_small or KnobTable(1)),
+            ("forward.grouped_narrow_lanes", self.forward.grouped_narrow_lanes),
             ("backward.tile", self.backward.tile),
             ("backward.tile_fp32", self.backward.tile_fp32 or KnobTable(1)),
             ("backward.num_warps", self.backward.num_warps),
@@ -410,6 +433,11 @@ class KernelConfig:
             # >= 16: a slice's first column must keep every row start's 16-element alignment.
             problems.append(f"forward.grouped_block_d must be a power of two in [16, 1024], got "
                             f"{self.forward.grouped_block_d}")
+        narrow = self.forward.grouped_narrow
+        if (len(narrow) > 2 or not all(pow2(w) and 4 <= w < self.forward.grouped_block_d for w in narrow)
+                or list(narrow) != sorted(set(narrow))):
+            problems.append(f"forward.grouped_narrow must hold at most two ascending powers of two in [4, "
+                            f"grouped_block_d), got {list(narrow)}")
         for name, v, least, hint in [
             ("forward.bags_per_program_small", self.forward.bags_per_program_small, 1, ""),
             ("forward.small_batch", self.forward.small_batch, 0, " (0: never)"),

@@ -332,3 +332,49 @@ def test_bucket_streams_from_threads_on_their_own_streams():
         assert len(got[k]) == 20
         for out in got[k]:
             assert torch.equal(out, want[k])
+
+
+NARROW_SPECS = [(30_000, 4), (9_000, 8), (5_000, 12), (7_000, 16), (2_000, 24), (4_000, 32), (3_000, 72), (8_000, 128)]
+
+
+@pytest.mark.parametrize("widths,narrow_lanes", [((16,), 1), ((16, 32), 1), ((8, 32), 4)], ids=["16", "16-32", "8-32x4"])
+@pytest.mark.parametrize("pooling,weighted,weights", [(PoolingMode.SUM, False, SparseType.FP16),
+                                                      (PoolingMode.MEAN, True, SparseType.FP32)],
+                         ids=["sum-fp16", "mean-w-fp32"])
+def test_one_launch_narrow_tiles_match_fbgemm_cuda(widths, narrow_lanes, pooling, weighted, weights):
+    """forward.grouped_narrow: in the one-launch forward (B = 512 <= grouped_max_batch), features of 4-32
+    columns pool narrow tiles with more rows per step; the output equals FBGEMM's CUDA forward (and the
+    slices-only launch up to fp32 rounding), the training step after it too, with no host sync."""
+    from torchrec_triton_tbe.config import KnobTable, load_config
+
+    cfg = load_config(DEV).replace_forward(grouped_narrow=widths, grouped_narrow_lanes=KnobTable(narrow_lanes))
+    ftm = list(range(len(NARROW_SPECS)))
+    kw = dict(pooling_mode=pooling, weights_precision=weights, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+              learning_rate=0.05, eps=0.1, stochastic_rounding=False)
+    ours, fb = pair(NARROW_SPECS, ftm, kernel_config=cfg, **kw)
+    slices = TritonTBE(NARROW_SPECS, feature_table_map=ftm, device=DEV, kernel_config=cfg.replace_forward(grouped_narrow=()),
+                       **kw)
+    slices.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(21)
+    for step in range(2):
+        lengths = torch.randint(0, 80, (len(ftm) * B,), generator=g)  # bags of 0-79 ids: several narrow steps
+        off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        rows = torch.tensor([r for r, _ in NARROW_SPECS]).repeat_interleave(B).repeat_interleave(lengths)
+        idx = (torch.rand(rows.numel(), generator=g) * rows).long().to(DEV)
+        off = off.to(DEV)
+        psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
+        with no_host_sync(step == 1):
+            o1 = ours(idx, off, psw)
+        o2 = fb(idx, off, psw)
+        with torch.no_grad():
+            o3 = slices(idx, off, psw)
+        torch.testing.assert_close(o1, o2, **TOL[weights])
+        torch.testing.assert_close(o1, o3, atol=1e-5, rtol=1e-5)
+        grad = torch.randn_like(o1)
+        o1.backward(grad)
+        o2.backward(grad)
+    plans = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
+    assert plans and all(p[0][3]["NARROW"] == widths[0] for p in plans)  # the one launch, with its narrow tiles
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        torch.testing.assert_close(a.float(), b.float(), **TOL[weights])

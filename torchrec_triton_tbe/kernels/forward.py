@@ -29,21 +29,22 @@ from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask, out_row_
 
 
 @triton.jit
-def _pooled_forward_kernel(
+def _pool_bags(
     weights_ptr,
     indices_ptr,
     offsets_ptr,
     psw_ptr,
     out_ptr,
-    bucket_features_ptr,
-    entry_cols_ptr,
-    feature_dim_ptr,
-    feature_weight_offset_ptr,
     feature_out_offset_ptr,
-    feature_rows_ptr,
-    warning_ptr,
+    pid_b,
+    t,
     B,
     total_D,
+    D,
+    w_base,
+    o_col,
+    c0,
+    num_rows,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BOUNDS_MODE: tl.constexpr,
@@ -55,45 +56,9 @@ def _pooled_forward_kernel(
     LANES: tl.constexpr,
     OUT_MAP: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
-    COL_CHUNKS: tl.constexpr = False,
 ):
-    """
-    One program = BAGS * LANES consecutive bags of one feature of this D bucket
-    (grid: [cdiv(B, BAGS * LANES), T_k]): BAGS groups in turn, the LANES bags of a group side by side.
-
-    weights_ptr: flat weights of all tables, fp32/fp16/bf16; table rows start at
-        feature_weight_offset[t] (int64 elements) with row stride D_t.
-    indices_ptr: [N] int32/int64 row ids, table-local. Rewritten in place when BOUNDS_MODE repairs.
-    offsets_ptr: [T*B + 1] same dtype as indices; bag (t, b) is [offsets[t*B+b], offsets[t*B+b+1]).
-    psw_ptr: [N] fp32 or fp16 per-sample weights (read only if WEIGHTED).
-    out_ptr: [B, total_D] output (fp32/fp16/bf16); feature t writes columns [out_offset[t], +D_t).
-        OUT_MAP (VBE): the 1-D output, bag (t, b) written at feature_out_offset_ptr[t * B + b] (a per-bag
-        table; -1: a padding bag, not written). OUT_ALIGN: a power of two dividing every output row start.
-    bucket_features_ptr: [T_k] int32 features of this bucket; program_id(1) indexes it.
-    entry_cols_ptr: COL_CHUNKS: [E] int32 first column of entry program_id(1), whose feature is
-        bucket_features_ptr[program_id(1)] (a multiple of BLOCK_D); otherwise unused.
-    feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
-    warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
-    EVEN_D: every feature of the bucket has D == BLOCK_D, so no column mask is needed.
-    ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
-        emit 16-byte vector loads although D is only known at run time.
-    LANES: bags pooled side by side (1: one bag at a time, the sequential path).
-    COL_CHUNKS: the program pools columns [c0, c0 + BLOCK_D) of its feature (see the module docstring).
-    """
-    pid_b = tl.program_id(0)
-    t = tl.load(bucket_features_ptr + tl.program_id(1))
-    c0 = 0
-    if COL_CHUNKS:
-        c0 = tl.load(entry_cols_ptr + tl.program_id(1))
-    # ALIGN divides D: saying so makes the column mask constant over ALIGN-wide groups, so masked
-    # rows still load as 16-byte vectors (without it every element is a scalar load).
-    D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN
-    # The slice's start folds into the row base (c0 is a multiple of BLOCK_D, itself of ALIGN).
-    w_base = tl.load(feature_weight_offset_ptr + t) + c0
-    o_col = 0
-    if not OUT_MAP:
-        o_col = tl.load(feature_out_offset_ptr + t)
-    num_rows = tl.load(feature_rows_ptr + t)
+    """Program pid_b's BAGS * LANES bags of feature t, columns [c0, c0 + BLOCK_D) of rows D wide starting
+    at w_base (c0 already folded in); returns how many ids it repaired (BOUNDS_MODE)."""
     cols = tl.arange(0, BLOCK_D)
     cmask = column_mask(cols, D - c0, EVEN_D, BLOCK_D)
     g = tl.arange(0, GATHER)
@@ -184,6 +149,111 @@ def _pooled_forward_kernel(
                     acc.to(out_ptr.dtype.element_ty),
                     mask=live[:, None] & cmask[None, :],
                 )
+    return repaired
+
+
+@triton.jit
+def _pooled_forward_kernel(
+    weights_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    out_ptr,
+    bucket_features_ptr,
+    entry_cols_ptr,
+    feature_dim_ptr,
+    feature_weight_offset_ptr,
+    feature_out_offset_ptr,
+    feature_rows_ptr,
+    warning_ptr,
+    B,
+    total_D,
+    POOLING_MEAN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BOUNDS_MODE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GATHER: tl.constexpr,
+    BAGS: tl.constexpr,
+    LANES: tl.constexpr,
+    OUT_MAP: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
+    COL_CHUNKS: tl.constexpr = False,
+    NARROW: tl.constexpr = 0,
+    NARROW_LANES: tl.constexpr = 1,
+    NARROW2: tl.constexpr = 0,
+    NARROW2_LANES: tl.constexpr = 1,
+):
+    """
+    One program = BAGS * LANES consecutive bags of one feature of this D bucket
+    (grid: [cdiv(B, BAGS * LANES), T_k]): BAGS groups in turn, the LANES bags of a group side by side.
+
+    weights_ptr: flat weights of all tables, fp32/fp16/bf16; table rows start at
+        feature_weight_offset[t] (int64 elements) with row stride D_t.
+    indices_ptr: [N] int32/int64 row ids, table-local. Rewritten in place when BOUNDS_MODE repairs.
+    offsets_ptr: [T*B + 1] same dtype as indices; bag (t, b) is [offsets[t*B+b], offsets[t*B+b+1]).
+    psw_ptr: [N] fp32 or fp16 per-sample weights (read only if WEIGHTED).
+    out_ptr: [B, total_D] output (fp32/fp16/bf16); feature t writes columns [out_offset[t], +D_t).
+        OUT_MAP (VBE): the 1-D output, bag (t, b) written at feature_out_offset_ptr[t * B + b] (a per-bag
+        table; -1: a padding bag, not written). OUT_ALIGN: a power of two dividing every output row start.
+    bucket_features_ptr: [T_k] int32 features of this bucket; program_id(1) indexes it.
+    entry_cols_ptr: COL_CHUNKS: [E] int32 first column of entry program_id(1), whose feature is
+        bucket_features_ptr[program_id(1)] (a multiple of BLOCK_D); otherwise unused.
+    feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
+    warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
+    EVEN_D: every feature of the bucket has D == BLOCK_D, so no column mask is needed.
+    ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
+        emit 16-byte vector loads although D is only known at run time.
+    LANES: bags pooled side by side (1: one bag at a time, the sequential path).
+    COL_CHUNKS: the program pools columns [c0, c0 + BLOCK_D) of its feature (see the module docstring).
+    NARROW, NARROW2 (COL_CHUNKS only; 0: none): features of width <= NARROW (else <= NARROW2) pool
+        NARROW-wide tiles of the same size, BLOCK_D / NARROW times the rows per step: NARROW_LANES times
+        the bags side by side (their programs cover that many more bags; the grid's surplus ones exit)
+        and the rest as more ids per step. Powers of two, NARROW < NARROW2 < BLOCK_D.
+    """
+    pid_b = tl.program_id(0)
+    t = tl.load(bucket_features_ptr + tl.program_id(1))
+    c0 = 0
+    if COL_CHUNKS:
+        c0 = tl.load(entry_cols_ptr + tl.program_id(1))
+    # ALIGN divides D: saying so makes the column mask constant over ALIGN-wide groups, so masked
+    # rows still load as 16-byte vectors (without it every element is a scalar load).
+    D = (tl.load(feature_dim_ptr + t) // ALIGN) * ALIGN
+    # The slice's start folds into the row base (c0 is a multiple of BLOCK_D, itself of ALIGN).
+    w_base = tl.load(feature_weight_offset_ptr + t) + c0
+    o_col = 0
+    if not OUT_MAP:
+        o_col = tl.load(feature_out_offset_ptr + t)
+    num_rows = tl.load(feature_rows_ptr + t)
+    # A narrow feature in a wide slice would mask most of every tile's columns and take as many dependent
+    # id -> row steps per bag as a wide one: it pools a narrower tile of the same size instead (the
+    # program's branch is uniform: one feature per program). Its sums group the rows differently from a
+    # per-bucket launch's (fp rounding only).
+    # The narrow levels' widths are constexprs: a level that is off must not be compiled at all, so the
+    # runtime test of D sits inside the constexpr one.
+    if NARROW == 0:
+        repaired = _pool_bags(weights_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, feature_out_offset_ptr, pid_b,
+                              t, B, total_D, D, w_base, o_col, c0, num_rows, POOLING_MEAN, WEIGHTED, BOUNDS_MODE,
+                              EVEN_D, ALIGN, BLOCK_D, GATHER, BAGS, LANES, OUT_MAP, OUT_ALIGN)
+    elif D <= NARROW:
+        repaired = _pool_bags(weights_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, feature_out_offset_ptr, pid_b,
+                              t, B, total_D, D, w_base, o_col, c0, num_rows, POOLING_MEAN, WEIGHTED, BOUNDS_MODE,
+                              False, ALIGN, NARROW, GATHER * (BLOCK_D // NARROW) // NARROW_LANES, BAGS,
+                              LANES * NARROW_LANES, OUT_MAP, OUT_ALIGN)
+    elif NARROW2 == 0:
+        repaired = _pool_bags(weights_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, feature_out_offset_ptr, pid_b,
+                              t, B, total_D, D, w_base, o_col, c0, num_rows, POOLING_MEAN, WEIGHTED, BOUNDS_MODE,
+                              EVEN_D, ALIGN, BLOCK_D, GATHER, BAGS, LANES, OUT_MAP, OUT_ALIGN)
+    elif D <= NARROW2:
+        repaired = _pool_bags(weights_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, feature_out_offset_ptr, pid_b,
+                              t, B, total_D, D, w_base, o_col, c0, num_rows, POOLING_MEAN, WEIGHTED, BOUNDS_MODE,
+                              False, ALIGN, NARROW2, GATHER * (BLOCK_D // NARROW2) // NARROW2_LANES, BAGS,
+                              LANES * NARROW2_LANES, OUT_MAP, OUT_ALIGN)
+    else:
+        repaired = _pool_bags(weights_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, feature_out_offset_ptr, pid_b,
+                              t, B, total_D, D, w_base, o_col, c0, num_rows, POOLING_MEAN, WEIGHTED, BOUNDS_MODE,
+                              EVEN_D, ALIGN, BLOCK_D, GATHER, BAGS, LANES, OUT_MAP, OUT_ALIGN)
     if BOUNDS_MODE == REPAIR_COUNT:
         if repaired > 0:
             tl.atomic_add(warning_ptr, repaired.to(tl.int64))

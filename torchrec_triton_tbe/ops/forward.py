@@ -150,7 +150,8 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
 
     def one(ks: list, bd: int, n: int, features: torch.Tensor, cols: Optional[torch.Tensor]) -> tuple:
         """The launch of buckets ``ks`` at BLOCK_D ``bd`` over ``n`` grid-y entries (column slices
-        ``cols`` of ``features``; None: whole features)."""
+        ``cols`` of ``features``, whose narrow features take narrower tiles (forward.grouped_narrow);
+        None: whole features)."""
         if n > MAX_GRID_Y:
             raise ValueError(f"{n} features (or column slices) in one forward launch at BLOCK_D={bd}; "
                              f"at most {MAX_GRID_Y}")
@@ -172,6 +173,11 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
             OUT_ALIGN=align if out_align is None else min(out_align, align),
             COL_CHUNKS=cols is not None,
         )
+        if cols is not None:
+            dims = [plan.feature_dims[t] for k in ks for t in plan.buckets[k].features]
+            for i, (width, narrow_lanes) in enumerate(cfg.narrow_levels(bd, dims)):
+                suffix = "" if i == 0 else str(i + 1)
+                constexprs.update({f"NARROW{suffix}": width, f"NARROW{suffix}_LANES": narrow_lanes})
         grid = (cdiv(B, bags * lanes), n)
         warps = tile_warps(cfg.num_warps.get(bd), lanes * gather * bd)
         cols = features if cols is None else cols
