@@ -372,8 +372,10 @@ def test_split_heaviest_lanes(small):
     others = [lanes[j] for j in range(7) if j != 5]
     assert all(a == b for a, b in others) and [a for a, _ in others] == list(range(small + 2, small + 8))
     assert [lane % 4 for lane, _ in others][:2] == [(small + 2) % 4, (small + 3) % 4]
-    # below the lookups' floor, or off: one lane per bucket, in plan order
-    for cfg, lookups in ((on, 99), (dataclasses.replace(on, split_heaviest=False), 1000)):
+    # below the lookups' floor, above split_heaviest_max_lookups, or off: one lane per bucket, in plan order
+    assert update_lanes(dataclasses.replace(on, split_heaviest_max_lookups=1000), weights, 1000, bool(small))[0] == 8
+    for cfg, lookups in ((on, 99), (dataclasses.replace(on, split_heaviest=False), 1000),
+                         (dataclasses.replace(on, split_heaviest_max_lookups=999), 1000)):
         assert update_lanes(cfg, weights, lookups, bool(small)) == (7, [(j + small, j + small) for j in range(7)])
     # equal weights: the first in plan order; one stream: nothing to split
     assert update_lanes(on, [5, 5, 5], 1000, False)[1][0] == (0, 1)

@@ -58,6 +58,7 @@ def test_knob_table_lookup():
         (("backward", "split_paths_min_lookups", -1), "backward.split_paths_min_lookups must be >= 0"),
         (("backward", "split_paths_max_lookups", -1), "backward.split_paths_max_lookups must be >= 0"),
         (("backward", "split_heaviest", "no"), "backward.split_heaviest must be true or false"),
+        (("backward", "split_heaviest_max_lookups", -1), "backward.split_heaviest_max_lookups must be >= 0"),
         (("small_table", "positions", 24), "small_table.positions must be a power of two >= 16"),
         (("small_table", "apply_chunks", 6), "small_table.apply_chunks a power of two"),
         (("small_table", "backward_groups", 0), "small_table.backward_groups must be >= 1"),

@@ -186,10 +186,12 @@ class BackwardConfig:
     split_paths_max_lookups: int = 0
     # Where the buckets do fill the streams (2 x buckets > bucket_streams): the heaviest bucket alone
     # (features x BLOCK_D, from the plan) puts its short kernel and long path on two streams, the first
-    # two, and the other buckets go round the rest, in backwards of at least split_paths_min_lookups
-    # lookups. The production shapes' update cannot end before that bucket (40-61 % of their gradient
-    # bytes, tools/bucket_shares.py), and round-robin puts another bucket on its stream.
+    # two, and the other buckets go round the rest, in backwards of split_paths_min_lookups to
+    # split_heaviest_max_lookups lookups (0: no upper bound). The production shapes' update cannot end
+    # before that bucket (40-61 % of their gradient bytes, tools/bucket_shares.py), and round-robin puts
+    # another bucket on its stream.
     split_heaviest: bool = False
+    split_heaviest_max_lookups: int = 0
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -387,6 +389,7 @@ class KernelConfig:
                 split_paths_max_lookups=int(b.get("split_paths_max_lookups", 0)),
                 split_heaviest=_bool(b.get("split_heaviest", False), "backward.split_heaviest",
                                      source or str(d["target"])),
+                split_heaviest_max_lookups=int(b.get("split_heaviest_max_lookups", 0)),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -453,6 +456,8 @@ class KernelConfig:
             ("backward.bucket_streams_min_lookups", self.backward.bucket_streams_min_lookups, 0, ""),
             ("backward.split_paths_min_lookups", self.backward.split_paths_min_lookups, 0, ""),
             ("backward.split_paths_max_lookups", self.backward.split_paths_max_lookups, 0, " (0: no upper bound)"),
+            ("backward.split_heaviest_max_lookups", self.backward.split_heaviest_max_lookups, 0,
+             " (0: no upper bound)"),
         ]:
             if v < least:
                 problems.append(f"{name} must be >= {least}{hint}")
