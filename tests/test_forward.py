@@ -156,16 +156,18 @@ def test_bag_lanes_match_sequential(pooling, weighted, weights, index_dtype):
 
 @pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
 @pytest.mark.parametrize("lanes", [1, 2, 8])
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_bag_lanes_fused_repair(mode, lanes, one_launch):
+@pytest.mark.parametrize("launch", ["per_bucket", "one_launch", "narrow"])
+def test_bag_lanes_fused_repair(mode, lanes, launch):
     # Bad ids in several lanes of one group and in the last, partial group: each repaired once, in place.
     # one_launch (forward.grouped_max_batch, 16-wide slices): feature 0 (32 wide) takes two slices; both
-    # pool row 0 for a bad id, the one at column 0 writes and counts it.
+    # pool row 0 for a bad id, the one at column 0 writes and counts it. narrow (32-wide slices,
+    # forward.grouped_narrow): the 12-wide feature pools 16-wide tiles, two bags side by side per lane.
     specs, ftm = [(10, 32), (6, 12)], [0, 1]
-    cfg = grouped(lanes) if one_launch else with_lanes(lanes, grouped_max_batch=0)
+    cfg = {"per_bucket": with_lanes(lanes, grouped_max_batch=0), "one_launch": grouped(lanes),
+           "narrow": narrow(lanes, widths=(16,), narrow_lanes=KnobTable(2))}[launch]
     ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
                           kernel_config=cfg)
-    assert ours.spec.tensors.grouped_features.numel() == 3
+    assert ours.spec.tensors.grouped_features.numel() == (2 if launch == "narrow" else 3)
     indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
     offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
     expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
@@ -175,6 +177,9 @@ def test_bag_lanes_fused_repair(mode, lanes, one_launch):
     assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
                  atol=1e-6, rtol=1e-6)
     assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
+    if launch == "narrow":
+        (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
+        assert plan[0][3]["NARROW"] == 16 and plan[0][3]["NARROW_LANES"] == 2
 
 
 def test_lanes_gather_follows_the_mean_bag_length():
@@ -438,27 +443,6 @@ def test_narrow_tiles_match_per_bucket(pooling, weighted, weights, index_dtype, 
         assert_close(out, expected, f"narrow tiles vs per bucket, B={B}", **tolerance(torch.float32))
     (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward" and key[1] == 5]
     assert plan[0][3]["NARROW"] == 8  # the batches above took the one launch with its narrow tiles
-
-
-@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
-def test_narrow_tiles_fused_repair(mode):
-    # The 12-wide feature pools 16-wide tiles four bags side by side: its bad ids are repaired in place
-    # and counted once, as the 32-wide feature's two slices do for theirs.
-    specs, ftm = [(10, 32), (6, 12)], [0, 1]
-    cfg = narrow(2, widths=(16,), narrow_lanes=KnobTable(2))
-    ours, ref = make_pair(specs, ftm, oracle="reference", bounds_check_mode=mode, fused_bounds_check=True,
-                          kernel_config=cfg)
-    indices = torch.tensor([3, 10, -1, 2, 9, 11, 0, 5, 6, 7, 100, 1, 4])
-    offsets = torch.tensor([0, 2, 3, 3, 6, 7, 9, 12, 13])  # T=2, B=4 (bag 2 of feature 0 is empty)
-    expected_ids = torch.tensor([3, 0, 0, 2, 9, 0, 0, 5, 0, 0, 0, 1, 4])
-    idx = indices.clone()
-    out = ours(idx, offsets.clone())
-    assert torch.equal(idx, expected_ids), idx
-    assert_close(out, ref.output(ref.forward(expected_ids, offsets)).detach(), "forward on repaired ids",
-                 atol=1e-6, rtol=1e-6)
-    assert int(ours.bounds_check_warning) == (6 if mode == BoundsCheckMode.WARNING else 0)
-    (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
-    assert plan[0][3]["NARROW"] == 16 and plan[0][3]["NARROW_LANES"] == 2
 
 
 def test_narrow_tiles_with_vbe_match_per_bucket():
