@@ -101,8 +101,13 @@ def kernel_knobs(draw):
         short_threshold=draw(st.integers(1, 6)), long_chunk=draw(st.integers(1, 5)),
         long_path=draw(st.sampled_from(["split", "fused"])), tile=KnobTable(draw(st.sampled_from([1, 2, 4, 8]))),
         programs=draw(st.integers(1, 5)))
+    block_d = draw(st.sampled_from([16, 32, 64]))
+    # Narrow tiles in the one launch (forward.grouped_narrow): up to two widths below the slice width.
+    narrow = draw(st.sampled_from([(), (4,), (8,), (4, 8), (8, 16), (16, 32)]))
     cfg = cfg.replace_forward(grouped_max_batch=draw(st.sampled_from([0, 4, 8])),
-                              grouped_block_d=draw(st.sampled_from([16, 32, 64])),
+                              grouped_block_d=block_d,
+                              grouped_narrow=tuple(w for w in narrow if w < block_d),
+                              grouped_narrow_lanes=KnobTable(draw(st.sampled_from([1, 2, 4]))),
                               bags_per_program=draw(st.integers(1, 3)),
                               gather=KnobTable(draw(st.sampled_from([1, 2, 4, 8]))),
                               bag_lanes=KnobTable(draw(st.sampled_from([1, 2, 4]))),
