@@ -8,8 +8,8 @@ of the bucket's tile width), and the stream the backward's assignment gives its 
 long path takes a stream of its own, backward.split_paths, is counted on its short kernel's). The
 busiest stream's share beside the heaviest bucket's says how much a better balance could gain: the
 update cannot finish before its heaviest bucket. Then the one-launch forward's column slices
-(``forward.grouped_block_d`` wide, ops/forward.py): which share of the slices' columns the tables fill,
-weighted by lookups.
+(``forward.grouped_block_d`` wide, ops/forward.py; narrow features on their ``forward.grouped_narrow``
+tiles): which share of the tiles' columns the tables fill, weighted by lookups.
 
     python tools/bucket_shares.py --shape prod_t40_b16k [--shape prod_t100_b2k ...] [--config sm90] [--json out.json]
 
@@ -71,8 +71,11 @@ def shares(name: str, config: str = "sm90") -> dict:
                              grad_byte_share=g / total_bytes, stream=stream,
                              long_stream=long_lane % len(per_stream)))
     width = cfg.forward.grouped_block_d
+    # A feature within a narrow level (forward.grouped_narrow) pools that level's width, else its slices.
+    levels = [w for w, _ in cfg.forward.narrow_levels(width, dims)]
+    tiles = [next((w for w in levels if d <= w), -(-d // width) * width) for d in dims]
     used = sum(B * bags[k] * dims[k] for k in range(len(dims)))
-    slots = sum(B * bags[k] * -(-dims[k] // width) * width for k in range(len(dims)))
+    slots = sum(B * bags[k] * tiles[k] for k in range(len(dims)))
     return dict(shape=name, config=config, batch=B, lookups=total_lookups, bucket_streams=n_streams,
                 buckets=rows_out, busiest_stream_share=max(per_stream),
                 heaviest_bucket_share=max(r["grad_byte_share"] for r in rows_out),

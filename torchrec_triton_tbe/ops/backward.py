@@ -152,13 +152,15 @@ def update_lanes(bcfg: BackwardConfig, weights: Sequence[int], num_lookups: int,
     leave streams idle (2 x buckets <= bucket_streams) and the backward's lookups are within the knob's
     window. Where the buckets fill the streams, backward.split_heaviest gives only the heaviest bucket two
     lanes, the first two (the update cannot end before its heaviest bucket, and round-robin puts another
-    bucket beside it), from split_paths_min_lookups to split_heaviest_max_lookups lookups. ``small``: the small-table kernels go first
-    on the caller's stream (lane 0), so the first bucket takes a side stream. From host ints only."""
+    bucket beside it), from split_paths_min_lookups to split_heaviest_max_lookups lookups. ``small``: the
+    small-table kernels go first on the caller's stream (lane 0), so the first bucket takes a side stream.
+    From host ints only."""
     n = len(weights)
     split = int(bcfg.split_paths and num_lookups >= bcfg.split_paths_min_lookups
                 and not 0 < bcfg.split_paths_max_lookups < num_lookups and 2 * n <= bcfg.bucket_streams)
     if (not split and bcfg.split_heaviest and n >= 2 and 2 * n > bcfg.bucket_streams >= 2
-            and num_lookups >= bcfg.split_paths_min_lookups and not 0 < bcfg.split_heaviest_max_lookups < num_lookups):
+            and bcfg.split_paths_min_lookups <= num_lookups
+            and not 0 < bcfg.split_heaviest_max_lookups < num_lookups):
         heavy = max(range(n), key=lambda j: weights[j])  # the first of equals: plan order
         lanes, nxt = [], small + 2
         for j in range(n):
