@@ -19,6 +19,9 @@ COL_CHUNKS (one launch for every D bucket, ops/forward.py): program_id(1) indexe
     group, each reading its own column slice of the same rows (the ids are read once per slice, from L2:
     4 or 8 bytes per lookup against the slice's BLOCK_D*E). Bytes per lookup are unchanged; what changes
     is one launch instead of one per bucket, where small batches are bound by the host's issue rate.
+NARROW, NARROW2 (with COL_CHUNKS): a feature at most NARROW (NARROW2) wide pools NARROW-wide tiles with
+    BLOCK_D / NARROW times the rows per step instead of a mostly masked slice: the same bytes per lookup
+    (its row), BLOCK_D / NARROW times fewer dependent id -> row steps per bag, and the same tile size.
 """
 
 import triton
