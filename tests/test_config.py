@@ -50,6 +50,7 @@ def test_knob_table_lookup():
         (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
         (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
+        (("forward", "short_bag_max_lanes", 6), "forward.short_bag_max_lanes must be 0 .off. or a power of two"),
         (("forward", "bucket_streams_min_lookups", -1), "forward.bucket_streams_min_lookups must be >= 0"),
         (("backward", "bucket_streams", 0), "backward.bucket_streams must be >= 1"),
         (("backward", "bucket_streams_min_lookups", -1), "backward.bucket_streams_min_lookups must be >= 0"),

@@ -24,7 +24,7 @@ from tbe_cases import (
 )
 from test_vbe import vbe_batch
 from torchrec_triton_tbe.config import KnobTable, load_named
-from torchrec_triton_tbe.ops.forward import lanes_gather
+from torchrec_triton_tbe.ops.forward import lanes_gather, short_bag_lanes
 from torchrec_triton_tbe.ops.launch import bucket_streams
 
 SPECS = [(40, 8), (30, 12), (25, 16), (9, 4)]  # BLOCK_D buckets 4, 8 and 16; width 12 is not a power of 2
@@ -189,6 +189,35 @@ def test_lanes_gather_follows_the_mean_bag_length():
     assert lanes_gather(8, num_lookups=3 * 1024, num_bags=1024) == 4  # L = 3
     assert lanes_gather(8, num_lookups=20 * 1024, num_bags=1024) == 8  # L = 20: the knob
     assert lanes_gather(4, num_lookups=0, num_bags=1024) == 1  # no lookups
+
+
+def test_short_bags_widen_the_lanes_up_to_the_knob():
+    # (table lanes, table gather, gather after lanes_gather, forward.short_bag_max_lanes)
+    assert short_bag_lanes(2, 4, 1, 8) == 8  # one id per bag: 2 lanes x 4 ids -> 8 lanes x 1 id
+    assert short_bag_lanes(2, 4, 2, 8) == 4  # two ids per bag
+    assert short_bag_lanes(2, 4, 1, 4) == 4  # capped by the knob
+    assert short_bag_lanes(2, 4, 4, 8) == 2  # bags as long as the gather: the table's lanes
+    assert short_bag_lanes(8, 4, 1, 4) == 8  # never fewer than the table's
+    assert short_bag_lanes(2, 4, 1, 0) == 2  # off
+
+
+@pytest.mark.parametrize("B", [13, 4], ids=["per_bucket", "one_launch"])
+def test_short_bag_lanes_match_sequential(B):
+    # Bags of 0-1 ids (mean 1): GATHER shrinks to 1 and LANES widens from 2 to 8 (B = 13: a partial last
+    # group), in the bucket launches and in the one launch (the interpreter's grouped_max_batch is 4).
+    kw = dict(pooling_mode=PoolingMode.MEAN, weights_precision=SparseType.FP16)
+    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    cfg = with_lanes(2, gather=KnobTable(4), short_bag_max_lanes=8)
+    ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=cfg, **kw)
+    x = skewed_batch([r for r, _ in WIDE_SPECS], WIDE_FTM, B=B, max_L=1, generator=torch.Generator().manual_seed(3),
+                     weighted=True)
+    with torch.no_grad():
+        out = ours(x.indices, x.offsets, x.per_sample_weights)
+        expected = seq(x.indices, x.offsets, x.per_sample_weights)
+    assert_close(out, expected, f"short-bag lanes vs sequential, B={B}", **tolerance(torch.float32))
+    (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
+    assert {(launch[3]["LANES"], launch[3]["GATHER"]) for launch in plan} == {(8, 1)}
+    assert len(plan) == (1 if B == 4 else len(ours.spec.plan.buckets))
 
 
 def test_bucket_streams_only_fork_large_cuda_forwards():

@@ -111,6 +111,7 @@ def kernel_knobs(draw):
                               bags_per_program=draw(st.integers(1, 3)),
                               gather=KnobTable(draw(st.sampled_from([1, 2, 4, 8]))),
                               bag_lanes=KnobTable(draw(st.sampled_from([1, 2, 4]))),
+                              short_bag_max_lanes=draw(st.sampled_from([0, 8])),
                               sequence_block=draw(st.sampled_from([1, 4, 16])))
     if draw(st.booleans()):  # the small-table path for tables of at most 64 rows, one feature each
         cfg = cfg.replace_small_table(max_rows=64, backward_min_bag=draw(st.integers(0, 2)))

@@ -53,7 +53,8 @@
 #   variants    configs/sm90.yaml and VARIANTS of it ("name=section.key:value,section.key:value ...",
 #               tools/config_variants.py), each
 #               on VARIANT_SHAPES (VARIANT_PASSES, VARIANT_OPTIMIZERS) with --check against FBGEMM, after
-#               VARIANT_TESTS (tests/gpu files) under the first variant's config
+#               VARIANT_TESTS (tests/gpu files) under the first variant's config; VARIANT_EXTRA: more bench
+#               options (e.g. --weights-precision fp32)
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
 #               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
@@ -264,7 +265,7 @@ PY
         tag=$(basename $cfg .yaml); echo "-- $tag"
         timeout ${VARIANT_TIMEOUT:-200} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
           --iters "${ITERS:-20}" --passes "${VARIANT_PASSES:-bwd}" --optimizer "${VARIANT_OPTIMIZERS:-exact_rowwise_adagrad}" \
-          --only "${VARIANT_SHAPES:-prod_small_b16k,prod_t40_b16k,prod_t40_b4k}" --kernel-config $cfg \
+          --only "${VARIANT_SHAPES:-prod_small_b16k,prod_t40_b16k,prod_t40_b4k}" --kernel-config $cfg ${VARIANT_EXTRA:-} \
           --json "$OUT/var_$tag.json" > "$OUT/var_$tag.log" 2>&1; echo "rc=$?"
         grep -i "check\|error\|fail" "$OUT/var_$tag.log" | grep -v "_fbgemm_torch_compat\|: ok" | tail -4
         python tools/perf_table.py "$OUT/var_$tag.json" | tail -12

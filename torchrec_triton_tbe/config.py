@@ -103,6 +103,12 @@ class ForwardConfig:
     # dependent id -> row steps per bag as a 64-wide one.
     grouped_narrow: tuple[int, ...] = ()
     grouped_narrow_lanes: KnobTable = KnobTable(1)
+    # Where bags are shorter than a lanes launch's GATHER (the host shrinks it to the mean bag length,
+    # ops/forward.lanes_gather), widen LANES by the factor GATHER shrank, up to this many lanes (0: keep the
+    # table's lanes): a step then still loads about LANES * GATHER rows. With one id per bag (DLRM-style
+    # features) and lanes 2 / gather 4 at BLOCK_D = 128, a step otherwise loads 2 rows behind one dependent
+    # offsets -> id -> row chain, a quarter of what the tables were tuned for on bags of 20.
+    short_bag_max_lanes: int = 0
 
     def narrow_levels(self, block_d: int, dims: Iterable[int]) -> tuple[tuple[int, int], ...]:
         """((width, lanes), ...) of the one-launch forward at slice width ``block_d`` over features of
@@ -361,6 +367,7 @@ class KernelConfig:
                 grouped_block_d=int(f.get("grouped_block_d", 64)),
                 grouped_narrow=tuple(int(w) for w in (f.get("grouped_narrow") or ())),
                 grouped_narrow_lanes=KnobTable.parse(f.get("grouped_narrow_lanes", 1), "forward.grouped_narrow_lanes"),
+                short_bag_max_lanes=int(f.get("short_bag_max_lanes", 0)),
             ),
             transpose=TransposeConfig(
                 bags_per_program=int(tr["bags_per_program"]),
@@ -441,6 +448,9 @@ class KernelConfig:
                 or list(narrow) != sorted(set(narrow))):
             problems.append(f"forward.grouped_narrow must hold at most two ascending powers of two in [4, "
                             f"grouped_block_d), got {list(narrow)}")
+        if self.forward.short_bag_max_lanes != 0 and not pow2(self.forward.short_bag_max_lanes):
+            problems.append(f"forward.short_bag_max_lanes must be 0 (off) or a power of two, got "
+                            f"{self.forward.short_bag_max_lanes}")
         for name, v, least, hint in [
             ("forward.bags_per_program_small", self.forward.bags_per_program_small, 1, ""),
             ("forward.small_batch", self.forward.small_batch, 0, " (0: never)"),

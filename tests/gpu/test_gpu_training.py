@@ -382,3 +382,44 @@ def test_one_launch_narrow_tiles_match_fbgemm_cuda(widths, narrow_lanes, pooling
     assert plans and all(p[0][3]["NARROW"] == widths[0] for p in plans)  # the one launch, with its narrow tiles
     for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
         torch.testing.assert_close(a.float(), b.float(), **TOL[weights])
+
+
+DLRM_SPECS = [(200_000, 128), (50_000, 128), (30, 128), (20_000, 64), (7, 32)]
+
+
+@pytest.mark.parametrize("batch", [8192, 512], ids=["bucket_launches", "one_launch"])
+@pytest.mark.parametrize("pooling,weighted,weights", [(PoolingMode.SUM, False, SparseType.FP16),
+                                                      (PoolingMode.MEAN, True, SparseType.FP32)],
+                         ids=["sum-fp16", "mean-w-fp32"])
+def test_short_bag_lanes_match_fbgemm_cuda(batch, pooling, weighted, weights):
+    """forward.short_bag_max_lanes: bags of 0-1 ids (DLRM-style) shrink GATHER to 1 and widen LANES; the
+    output equals FBGEMM's CUDA forward, and the training step after it too, with no host sync."""
+    from torchrec_triton_tbe.config import load_config
+
+    cfg = load_config(DEV).replace_forward(short_bag_max_lanes=8)
+    ftm = list(range(len(DLRM_SPECS)))
+    kw = dict(pooling_mode=pooling, weights_precision=weights, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+              learning_rate=0.05, eps=0.1, stochastic_rounding=False)
+    ours, fb = pair(DLRM_SPECS, ftm, kernel_config=cfg, **kw)
+    g = torch.Generator().manual_seed(23)
+    for step in range(2):
+        lengths = torch.randint(0, 2, (len(ftm) * batch,), generator=g)
+        off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        rows = torch.tensor([r for r, _ in DLRM_SPECS]).repeat_interleave(batch).repeat_interleave(lengths)
+        idx = (torch.rand(rows.numel(), generator=g) ** 3 * rows).long().to(DEV)  # skewed: repeated rows
+        off = off.to(DEV)
+        psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
+        with no_host_sync(step == 1):
+            o1 = ours(idx, off, psw)
+        o2 = fb(idx, off, psw)
+        torch.testing.assert_close(o1, o2, **TOL[weights])
+        grad = torch.randn_like(o1)
+        o1.backward(grad)
+        o2.backward(grad)
+    (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
+    table = [cfg.forward.knobs(launch[3]["BLOCK_D"], ours.weights.element_size(), batch)[1] for launch in plan]
+    assert all(launch[3]["GATHER"] == 1 for launch in plan if launch[3]["LANES"] > 1)
+    assert any(launch[3]["LANES"] > lanes for launch, lanes in zip(plan, table)), plan  # widened somewhere
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        torch.testing.assert_close(a.float(), b.float(), **TOL[weights])

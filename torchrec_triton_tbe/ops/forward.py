@@ -39,6 +39,14 @@ def lanes_gather(gather: int, num_lookups: int, num_bags: int) -> int:
     return min(gather, mean_bag_pow2(num_lookups, num_bags))
 
 
+def short_bag_lanes(lanes: int, gather: int, shrunk: int, max_lanes: int) -> int:
+    """LANES of a lanes launch whose GATHER shrank from ``gather`` to ``shrunk`` (short bags): widened by
+    that factor up to ``max_lanes`` (config forward.short_bag_max_lanes; 0: never), never below the
+    table's ``lanes``. Each lane's rows depend on its own offsets -> id chain, so widening keeps the
+    step's independent row loads at the tuned count. Knob, not result: which bags share a program."""
+    return max(lanes, min(lanes * (gather // shrunk), max_lanes))
+
+
 def pooled_forward(
     spec: TBESpec,
     weights: torch.Tensor,
@@ -158,7 +166,9 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         align = min(spec.bucket_align[k] for k in ks)
         bags, lanes, gather = cfg.knobs(bd, weight_bytes, B)
         if lanes > 1:
-            gather = lanes_gather(gather, num_lookups, num_bags)
+            shrunk = lanes_gather(gather, num_lookups, num_bags)
+            lanes = short_bag_lanes(lanes, gather, shrunk, cfg.short_bag_max_lanes)
+            gather = shrunk
         constexprs = dict(
             POOLING_MEAN=spec.pooling_mean,
             WEIGHTED=weighted,
