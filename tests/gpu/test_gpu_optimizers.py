@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from gpu_cases import DEV, FTM, SPECS, TOL, batch, pair
+from gpu_cases import DEV, FTM, L, SPECS, TOL, batch, pair
 
 from torchrec_triton_tbe._fbgemm import (
     EmbOptimType,
@@ -48,9 +48,39 @@ COMBOS = [(PoolingMode.SUM, False, SparseType.FP32, torch.int64), (PoolingMode.M
 STATE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
 
 
-def assert_same_state(ours, fb, weights, what):
+# bf16 moments (PARTIAL_ROWWISE_ADAM with optimizer_state_dtypes): our per-row gradient sums and FBGEMM's
+# may differ in their last fp32 bits (summation order), and a moment element next to a bf16 rounding
+# boundary then rounds to the neighbouring bf16 value. Measured on the H200 (2026-12-04, this file's
+# batches, three steps): 0-6 of 10^4-10^6 momentum1 elements per table and step, by 1-2 bf16 ulps; the
+# row-wise momentum2 never. An ulp of momentum1 (at most 2**-7 of it) moves that weight element's update by
+# lr * 2**-7 times its normalised step, m_hat / sqrt(v_hat) with v row-wise: allowed 4 per step (2 ulps,
+# an element's gradient up to twice its row's RMS), and a bag's output by that times the row's copies in
+# the bag (a hot row's column: 359 of 299,008 outputs off by up to 9.8e-4 in one run, about lr * 2**-7 *
+# 0.3 per copy). So: the tight tolerance on all but a few elements, and those within that bound.
+BF16_MOMENTS = {"partial-rowwise-adam-bf16"}
+FLIP_FRACTION = 0.01
+
+
+def flip_bound(weights, lr, steps, copies=1):
+    """What ``steps`` updates with bf16-rounding flips can move an element that sums ``copies`` rows."""
+    return TOL[weights]["atol"] + steps * lr * 2.0**-7 * 4 * copies
+
+
+def assert_close_up_to_flips(a, b, weights, bound, what):
+    """Within TOL[weights] except on at most FLIP_FRACTION of the elements, and those within ``bound``."""
+    a, b, tol = a.float(), b.float(), TOL[weights]
+    off = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
+    assert off.float().mean().item() <= FLIP_FRACTION, f"{what}: {int(off.sum())} of {off.numel()} outside {tol}"
+    torch.testing.assert_close(a, b, atol=bound, rtol=tol["rtol"], msg=lambda m: f"{what} (bf16 moment flips): {m}")
+
+
+def assert_same_state(ours, fb, weights, what, bound=None):
+    """Weights and every state tensor; ``bound``: bf16 moments (BF16_MOMENTS), weights up to flips."""
     for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), fb.split_embedding_weights())):
-        torch.testing.assert_close(a.float(), b.float(), **TOL[weights], msg=lambda m: f"{what} table {t}: {m}")
+        if bound is None:
+            torch.testing.assert_close(a.float(), b.float(), **TOL[weights], msg=lambda m: f"{what} table {t}: {m}")
+        else:
+            assert_close_up_to_flips(a, b, weights, bound, f"{what} table {t}")
     ours_states, fb_states = ours.split_optimizer_states(), fb.split_optimizer_states()
     assert [[tuple(s.shape) for s in t] for t in ours_states] == [[tuple(s.shape) for s in t] for t in fb_states]
     for t, (mine, theirs) in enumerate(zip(ours_states, fb_states)):
@@ -58,6 +88,8 @@ def assert_same_state(ours, fb, weights, what):
             assert a.dtype == b.dtype, (what, t, i, a.dtype, b.dtype)
             torch.testing.assert_close(a.float(), b.float(), **STATE_TOL[a.dtype],
                                        msg=lambda m: f"{what} table {t} state {i}: {m}")
+            if a.dtype == torch.bfloat16:  # rounding flips only: a few elements differ at all
+                assert (a != b).float().mean().item() <= FLIP_FRACTION, (what, t, i, int((a != b).sum()))
 
 
 CASES = [(name, combo) for name, combo in itertools.product(VARIANTS, COMBOS)]
@@ -81,17 +113,21 @@ def test_matches_fbgemm_cuda(name, combo):
               stochastic_rounding=False, embedding_table_index_type=index_dtype, **extra)
     ours, fb = pair(**kw)
     ours.collect_backward_stats = True
-    for step in range(3):
+    steps, flips = 3, name in BF16_MOMENTS
+    for step in range(steps):
         idx, off, psw = batch(step, weighted, index_dtype)
         o1 = ours(idx.clone(), off.clone(), psw)
         o2 = fb(idx.clone(), off.clone(), psw)
-        torch.testing.assert_close(o1, o2, **TOL[weights])
+        if flips:  # a bag holds at most 2L - 1 copies of a row (gpu_cases.batch)
+            assert_close_up_to_flips(o1, o2, weights, flip_bound(weights, 0.05, step, 2 * L - 1), f"{name} step {step}")
+        else:
+            torch.testing.assert_close(o1, o2, **TOL[weights])
         grad = torch.randn_like(o1)
         o1.backward(grad)
         o2.backward(grad)
     stats = ours.backward_stats()
     assert stats["short_runs"] > 0 and stats["long_runs"] > 0, stats
-    assert_same_state(ours, fb, weights, name)
+    assert_same_state(ours, fb, weights, name, flip_bound(weights, 0.05, steps) if flips else None)
 
 
 @pytest.mark.parametrize("name", ["adagrad", "adam", "partial-rowwise-lamb", "lars-sgd", "rowwise-max-norm"])
@@ -107,7 +143,7 @@ def test_many_tiles_per_program_match_fbgemm_cuda(name):
     grad = torch.randn_like(o1)
     o1.backward(grad)
     o2.backward(grad)
-    assert_same_state(ours, fb, weights, name)
+    assert_same_state(ours, fb, weights, name, flip_bound(weights, 0.01, 1) if name in BF16_MOMENTS else None)
 
 
 @pytest.mark.parametrize("name", ["adagrad", "adam-rowwise-bias", "partial-rowwise-adam-bf16", "lamb", "lars-sgd"])
