@@ -334,6 +334,19 @@ def test_bucket_streams_from_threads_on_their_own_streams():
             assert torch.equal(out, want[k])
 
 
+def ragged_batch(specs, batch, max_len, g, weighted, skew=1):
+    """(ids, offsets, per-sample weights or None) on DEV: one feature per table of ``specs``, ``batch`` bags
+    each of 0 to max_len - 1 ids, ids u**skew * rows (skew > 1: a heavy head of repeated rows)."""
+    lengths = torch.randint(0, max_len, (len(specs) * batch,), generator=g)
+    off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    off[1:] = lengths.cumsum(0)
+    rows = torch.tensor([r for r, _ in specs]).repeat_interleave(batch).repeat_interleave(lengths)
+    u = torch.rand(rows.numel(), generator=g)
+    idx = ((u if skew == 1 else u**skew) * rows).long().to(DEV)
+    psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
+    return idx, off.to(DEV), psw
+
+
 NARROW_SPECS = [(30_000, 4), (9_000, 8), (5_000, 12), (7_000, 16), (2_000, 24), (4_000, 32), (3_000, 72), (8_000, 128)]
 
 
@@ -359,13 +372,7 @@ def test_one_launch_narrow_tiles_match_fbgemm_cuda(widths, narrow_lanes, pooling
         b.copy_(a)
     g = torch.Generator().manual_seed(21)
     for step in range(2):
-        lengths = torch.randint(0, 80, (len(ftm) * B,), generator=g)  # bags of 0-79 ids: several narrow steps
-        off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-        off[1:] = lengths.cumsum(0)
-        rows = torch.tensor([r for r, _ in NARROW_SPECS]).repeat_interleave(B).repeat_interleave(lengths)
-        idx = (torch.rand(rows.numel(), generator=g) * rows).long().to(DEV)
-        off = off.to(DEV)
-        psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
+        idx, off, psw = ragged_batch(NARROW_SPECS, B, 80, g, weighted)  # bags of 0-79 ids: several narrow steps
         with no_host_sync(step == 1):
             o1 = ours(idx, off, psw)
         o2 = fb(idx, off, psw)
@@ -403,13 +410,7 @@ def test_short_bag_lanes_match_fbgemm_cuda(batch, pooling, weighted, weights):
     ours, fb = pair(DLRM_SPECS, ftm, kernel_config=cfg, **kw)
     g = torch.Generator().manual_seed(23)
     for step in range(2):
-        lengths = torch.randint(0, 2, (len(ftm) * batch,), generator=g)
-        off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-        off[1:] = lengths.cumsum(0)
-        rows = torch.tensor([r for r, _ in DLRM_SPECS]).repeat_interleave(batch).repeat_interleave(lengths)
-        idx = (torch.rand(rows.numel(), generator=g) ** 3 * rows).long().to(DEV)  # skewed: repeated rows
-        off = off.to(DEV)
-        psw = torch.rand(idx.numel(), generator=g).to(DEV) if weighted else None
+        idx, off, psw = ragged_batch(DLRM_SPECS, batch, 2, g, weighted, skew=3)  # skewed: repeated rows
         with no_host_sync(step == 1):
             o1 = ours(idx, off, psw)
         o2 = fb(idx, off, psw)
