@@ -118,6 +118,18 @@ def test_replace_helpers_keep_the_rest():
     assert other.forward == cfg.forward and other.transpose == cfg.transpose
 
 
+def test_sequence_block_defaults_to_what_triton_3_6_compiles(tmp_path):
+    # A config without sequence_block takes 32, as the shipped GPU configs do: Triton 3.6 (torch 2.11's)
+    # fails to compile the sequence kernel at 16 (measured on the H200 and by tools/compile_specs.py).
+    doc = yaml.safe_load((config_dir() / "sm90.yaml").read_text())
+    del doc["forward"]["sequence_block"]
+    path = tmp_path / "no_sequence_block.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert load_named(str(path)).forward.sequence_block == 32
+    for name in ("sm90", "sm100"):
+        assert load_named(name).forward.sequence_block >= 32
+
+
 def test_bag_lanes_default_to_the_sequential_path(tmp_path):
     # Configs written before the lanes mode have no bag_lanes: every width pools one bag at a time.
     doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())

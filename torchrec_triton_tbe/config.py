@@ -67,7 +67,9 @@ class ForwardConfig:
     # "fp32 weights": one lane at 128 won 1 % on one shape and lost 1.6x with one id per bag).
     bag_lanes_fp32: Optional[KnobTable] = None
     # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
-    sequence_block: int = 16
+    # 32 where a config leaves it out: Triton 3.6 (torch 2.11's) fails to compile the kernel at 16
+    # ("PassManager::run failed", every BLOCK_D and warps from 2 on); 3.8 compiles both (2026-12-04).
+    sequence_block: int = 32
     sequence_warps: int = 4
     # Streams the D-bucket launches of one pooled forward are spread over (1: the caller's stream
     # only), for forwards of at least bucket_streams_min_lookups lookups. At a small batch each
@@ -354,7 +356,7 @@ class KernelConfig:
                 bag_lanes=KnobTable.parse(f.get("bag_lanes", 1), "forward.bag_lanes"),
                 bag_lanes_fp32=(KnobTable.parse(f["bag_lanes_fp32"], "forward.bag_lanes_fp32")
                                 if "bag_lanes_fp32" in f else None),
-                sequence_block=int(f.get("sequence_block", 16)),
+                sequence_block=int(f.get("sequence_block", ForwardConfig.sequence_block)),
                 sequence_warps=int(f.get("sequence_warps", 4)),
                 bucket_streams=int(f.get("bucket_streams", 1)),
                 bucket_streams_min_lookups=int(f.get("bucket_streams_min_lookups", 0)),
