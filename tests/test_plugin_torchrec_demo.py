@@ -202,6 +202,12 @@ def _torchrun(target: list) -> str:
 def test_torchrun_launches_one_two_rank_job():
     out = _torchrun(["-m", "torchrec_triton_tbe.torchrec_demo"])
     assert out.count("world_size=2") == 1 and "MATCH" in out and "MISMATCH" not in out, out
+    # Throughput counts both ranks' batches (SMALL: 4 examples per rank and step) over the slowest rank's step.
+    m = re.search(r"fused ([\d.]+), triton ([\d.]+); examples/s over 2 rank\(s\): fused ([\d,]+), triton ([\d,]+)", out)
+    assert m, out
+    ms_f, ms_o, ex_f, ex_o = (float(v.replace(",", "")) for v in m.groups())
+    for ms, ex in ((ms_f, ex_f), (ms_o, ex_o)):
+        assert abs(ex - 2 * 4 * 1e3 / ms) <= 0.02 * ex + 1, (ms, ex, out)
 
 
 def test_torchrun_launches_the_console_script():

@@ -58,6 +58,11 @@
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
 #               default and the production-shaped suite shapes (PEER_SHAPES), SGD and row-wise Adagrad (all
 #               it implements); needs .stage/torchrec from tools/stage_torchrec_triton.sh, carried along
+#   multi       (two GPUs) tests/gpu/test_gpu_multi.py (MULTI_K: its pytest -k), each demo's log in $OUT/multi;
+#               then the step-time lines of every log
+#   multi-prod  (two GPUs) the demo under torchrun on two NCCL ranks on a production-shaped model
+#               (MULTI_SHAPE, default prod_t40_b16k, fp16, TorchRec's pipeline) for each of MULTI_SHARDINGS
+#               (default planner table_wise row_wise), MULTI_STEPS steps (default 12)
 #   ab          the bench (AB_ARGS: its options after --suite h200 --compare fbgemm) on the tree of another
 #               commit, .ab/<commit> (git-ignored; make it with `git archive <commit> torchrec_triton_tbe
 #               configs tools pyproject.toml | tar -x -C .ab/<commit>` and carry it along), and on this tree, in
@@ -341,6 +346,20 @@ print("per-bucket / one-launch geo-mean:", {k: round(v, 3) for k, v in geo.items
       f"-> grouped_block_d {best[len('one_launch_w'):]}, grouped_max_batch {limit}")
 PY
       ;;
+    multi)
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "multi: needs two GPUs (nvidia-h200-x2)"; continue; }
+      MULTI_GPU_LOG_DIR=$OUT/multi timeout "${MULTI_TIMEOUT:-560}" python -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gpu_multi.py ${MULTI_K:+-k "$MULTI_K"} 2>&1 | tee -a "$OUT/multi_tests.txt" | tail -8
+      for f in "$OUT"/multi/*.txt; do echo "-- $(basename $f .txt)"; grep -E "^plan:|^median|MATCH" "$f" | cut -c1-220; done ;;
+    multi-prod)
+      [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "multi-prod: needs two GPUs (nvidia-h200-x2)"; continue; }
+      for sh in ${MULTI_SHARDINGS:-planner table_wise row_wise}; do
+        log="$OUT/multi_prod_${MULTI_SHAPE:-prod_t40_b16k}_$sh.log"; echo "-- $sh"
+        timeout "${MULTI_PROD_TIMEOUT:-280}" python -m torch.distributed.run --nproc_per_node 2 \
+          -m torchrec_triton_tbe.torchrec_demo --shape "${MULTI_SHAPE:-prod_t40_b16k}" --weights fp16 \
+          --steps "${MULTI_STEPS:-12}" --sharding "$sh" ${MULTI_ARGS:-} > "$log" 2>&1; echo "rc=$?"
+        grep -E "^TorchRec|^plan:|^median|MATCH" "$log" | cut -c1-220 || quiet < "$log" | tail -6
+      done ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"

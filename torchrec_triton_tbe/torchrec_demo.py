@@ -773,7 +773,11 @@ def _run(args, setup: Setup) -> int:
     timed = rows[1:] or rows
     med_f = statistics.median(r[0] for r in timed)
     med_o = statistics.median(r[1] for r in timed)
-    print(f"median ms/step after step 0 (slowest rank): fused {med_f:.1f}, triton {med_o:.1f}"
+    # Data parallel: every rank trains its own batch of args.batch_size per step.
+    examples = args.batch_size * setup.world_size
+    print(f"median ms/step after step 0 (slowest rank): fused {med_f:.1f}, triton {med_o:.1f}; "
+          f"examples/s over {setup.world_size} rank(s): fused {examples * 1e3 / max(med_f, 1e-9):,.0f}, "
+          f"triton {examples * 1e3 / max(med_o, 1e-9):,.0f}"
           + ("" if setup.gpu else "  (CPU: Triton's interpreter, not kernels)"))
     # The other direction of the checkpoint interchange: the trained Triton model's state into a fresh
     # fused model must be exact.
