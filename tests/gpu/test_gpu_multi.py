@@ -1,7 +1,8 @@
 """The A/B on two GPUs of one host (issue 12; needs the nvidia-h200-x2 device kind, skipped with fewer
 GPUs): torchrun launches one NCCL rank per GPU; every sharding type, the planner's mix and a VBE batch,
 on TrainPipelineSparseDist; every rank's shards against fused's; and 2D parallel (DMPCollection). Each run's output (per-step ms of both
-kernels, slowest rank) goes to $MULTI_GPU_LOG_DIR when set. Not yet run: no two-GPU machine was lent."""
+kernels, slowest rank) goes to $MULTI_GPU_LOG_DIR when set. Ran on nvidia-h200-x2 (2026-12-04, 77f5fa5):
+10 passed (tools/device_session.sh multi; docs/performance.md "Two GPUs")."""
 
 import os
 import subprocess
@@ -49,7 +50,7 @@ def test_two_gpu_2d_parallel_matches_fused(collection, sharding, optimizer):
     """TorchRec's DMPCollection on two NCCL ranks (sharding groups of one GPU, two replicas, sync() with
     its default ReduceOp.AVG after every step) with fused and with ours: the replicas agree after each
     sync, equal their mean before it, and ours equals fused (tests/plugin_cases.py: two_d_ab, the CPU
-    test's harness without its CPU shim). Not yet run: no two-GPU machine was lent."""
+    test's harness without its CPU shim). Passed on two H200s (2026-12-04)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import plugin_cases as pc
 
