@@ -1,0 +1,113 @@
+"""GPU time per kernel of one pass of a suite shape, ours beside FBGEMM's (GPU; torch.profiler).
+
+    python tools/profile_kernels.py --shape vbe_t16_b1k_64k [--shape d32_uniform ...] [--passes fwd,bwd]
+        [--optimizer exact_rowwise_adagrad] [--iters 10] [--suite h200] [--json out.json]
+
+Any suite shape the bench runs (fixed or variable batch, pooled or sequence): the bench's workload and
+modules (bench.runner.build_modules: identical weights), warmed up, then ``--iters`` calls of each pass
+under torch.profiler, each kernel's device time summed by name and divided by the iterations. Beside it,
+each pass's event time (median, as the bench) so the kernels' sum can be read against the wall: a sum well
+below the event time means gaps (launch-bound or streams idle), above it means kernels overlapped on
+several streams. The backward pass re-runs the forward outside the profiled region, as the bench does.
+What it answers: where a pass's GPU time goes (which kernel, which D bucket's launch), not how fast the
+pass is: use bench.cli for that (its `--check` too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+from torchrec_triton_tbe.bench.batches import make_workload
+from torchrec_triton_tbe.bench.case import load_suite
+from torchrec_triton_tbe.bench.runner import RunOptions, backward_step, build_modules, forward_step
+
+
+def _event_ms(step, iters: int) -> float:
+    times = []
+    for i in range(iters):
+        run = step(i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _kernels(step, iters: int) -> dict[str, dict]:
+    """{kernel name: {"calls": per iteration, "us": device microseconds per iteration}}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs = [step(i) for i in range(iters)]  # forwards of the backward pass happen here, unprofiled
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for run in runs:
+            run()
+        torch.cuda.synchronize()
+    out: dict[str, dict] = defaultdict(lambda: {"calls": 0.0, "us": 0.0})
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        k = out[ev.name[:120]]
+        k["calls"] += 1 / iters
+        k["us"] += ev.time_range.elapsed_us() / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="h200")
+    ap.add_argument("--shape", action="append", required=True)
+    ap.add_argument("--passes", default="fwd,bwd")
+    ap.add_argument("--optimizer", default="exact_rowwise_adagrad")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels: needs a GPU (FBGEMM's CUDA TBE beside ours)")
+    dev = torch.device("cuda")
+    _, shapes = load_suite(args.suite, {})
+    by_name = {s.case.name: s.case for s in shapes}
+    report = []
+    for name in args.shape:
+        if name not in by_name:
+            raise SystemExit(f"{name}: not a shape of suite {args.suite}")
+        w = make_workload(by_name[name], dev)
+        mods = build_modules(w, args.optimizer, RunOptions(device=dev, compare=("fbgemm",)))
+        for p in args.passes.split(","):
+            make = {"fwd": forward_step, "bwd": backward_step}[p]
+            entry = {"shape": name, "pass": p, "optimizer": args.optimizer if p == "bwd" else None}
+            for label, mod in (("ours", mods["triton"]), ("fbgemm", mods["fbgemm"])):
+                step = make(mod, w)
+                for i in range(3):  # compile, capture, caches
+                    step(i)()
+                torch.cuda.synchronize()
+                kernels = _kernels(step, args.iters)
+                entry[label] = {"event_ms": _event_ms(step, args.iters), "kernel_sum_ms":
+                                sum(k["us"] for k in kernels.values()) / 1e3, "kernels": kernels}
+            report.append(entry)
+            print(f"\n{name} {p}" + (f" ({args.optimizer})" if p == "bwd" else "")
+                  + "".join(f"; {lab}: event {entry[lab]['event_ms']:.3f} ms, kernels {entry[lab]['kernel_sum_ms']:.3f} ms"
+                            for lab in ("ours", "fbgemm")))
+            for lab in ("ours", "fbgemm"):
+                print(f"| {lab} kernel | calls | us |\n|---|---|---|")
+                for kname, k in list(entry[lab]["kernels"].items())[:12]:
+                    print(f"| {kname[:90]} | {k['calls']:.1f} | {k['us']:.1f} |")
+        del mods, w
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
