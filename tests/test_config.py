@@ -118,6 +118,21 @@ def test_replace_helpers_keep_the_rest():
     assert other.forward == cfg.forward and other.transpose == cfg.transpose
 
 
+def test_bags_per_program_by_block_d(tmp_path):
+    # A table by BLOCK_D (sm90: one group per program at 32 and 64) or one int for every width, as before.
+    fwd = load_named("sm90").forward
+    assert [fwd.knobs(d, 2, 1 << 16)[0] for d in (16, 32, 64, 128)] == [2, 1, 1, 2]
+    assert fwd.knobs(32, 2, 16)[0] == fwd.bags_per_program_small  # small batches keep their own knob
+    assert load_named("interpreter").forward.bags_per_program == KnobTable(2)
+    assert load_named("sm90").replace_forward(bags_per_program=3).forward.bags_per_program == KnobTable(3)
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    doc["forward"]["bags_per_program"] = {"default": 2, 64: 0}
+    path = tmp_path / "bad_bags.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match="forward.bags_per_program values must be >= 1"):
+        load_named(str(path))
+
+
 def test_sequence_block_defaults_to_what_triton_3_6_compiles(tmp_path):
     # A config without sequence_block takes 32, as the shipped GPU configs do: Triton 3.6 (torch 2.11's)
     # fails to compile the sequence kernel at 16 (measured on the H200 and by tools/compile_specs.py).

@@ -116,8 +116,8 @@ def test_forward_positional_order_is_fbgemms():
 
 
 # (bag_lanes, gather, bags_per_program): lanes wider than B, lanes with a partial last group, one-id
-# steps, several groups per program.
-LANE_KNOBS = [(2, 4, 2), (4, 1, 1), (8, 2, 1), (4, 8, 3), (16, 4, 1)]
+# steps, several groups per program, groups per program by BLOCK_D (configs/sm90.yaml's kind of table).
+LANE_KNOBS = [(2, 4, 2), (4, 1, 1), (8, 2, 1), (4, 8, 3), (16, 4, 1), (4, 2, KnobTable(2, ((32, 1), (64, 3))))]
 WIDE_SPECS = [(40, 32), (30, 20), (25, 64), (9, 12), (11, 6)]  # BLOCK_D 32, 32 (masked), 64, 16, 8
 WIDE_FTM = [0, 1, 2, 3, 4, 2]
 
@@ -240,10 +240,10 @@ def test_small_batch_knobs_apply_at_small_batches_for_every_weight_width():
                               gather_small=KnobTable(16, ((64, 8),)), bag_lanes_small=KnobTable(4))
     assert cfg.knobs(64, 2, 8) == (1, 4, 8)
     assert cfg.knobs(32, 2, 8) == (1, 4, 16)
-    regular = (cfg.bags_per_program, cfg.lanes(64, 2), cfg.gather.get(64))
+    regular = (cfg.bags_per_program.get(64), cfg.lanes(64, 2), cfg.gather.get(64))
     assert cfg.knobs(64, 2, 9) == regular  # above small_batch
     assert cfg.knobs(64, 4, 8) == (1, 4, 8)  # fp32 rows too
-    assert cfg.knobs(64, 4, 9) == (cfg.bags_per_program, cfg.lanes(64, 4), cfg.gather.get(64))
+    assert cfg.knobs(64, 4, 9) == (cfg.bags_per_program.get(64), cfg.lanes(64, 4), cfg.gather.get(64))
     assert dataclasses.replace(cfg, small_batch=0).knobs(64, 2, 1) == regular
 
 

@@ -58,7 +58,8 @@ def _by_weights(table: KnobTable, fp32_table: Optional[KnobTable], block_d: int,
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    bags_per_program: int  # groups of bag_lanes bags pooled one after another per program
+    # Groups of bag_lanes bags pooled one after another per program (by BLOCK_D; an int is every width's).
+    bags_per_program: KnobTable
     gather: KnobTable  # ids of each bag per step (by BLOCK_D)
     num_warps: KnobTable
     bag_lanes: KnobTable = KnobTable(1)  # bags pooled side by side (by BLOCK_D); 1: one bag at a time
@@ -133,7 +134,12 @@ class ForwardConfig:
         if batch <= self.small_batch:
             return (self.bags_per_program_small, (self.bag_lanes_small or self.bag_lanes).get(block_d),
                     (self.gather_small or self.gather).get(block_d))
-        return self.bags_per_program, self.lanes(block_d, weight_bytes), self.gather.get(block_d)
+        return self.bags_per_program.get(block_d), self.lanes(block_d, weight_bytes), self.gather.get(block_d)
+
+    def __post_init__(self) -> None:
+        # Callers (tests, tools, replace_forward) may still give one int for every width.
+        if isinstance(self.bags_per_program, int):
+            object.__setattr__(self, "bags_per_program", KnobTable(self.bags_per_program))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +355,7 @@ class KernelConfig:
             target=str(d["target"]),
             tuned=bool(d.get("tuned", False)),
             forward=ForwardConfig(
-                bags_per_program=int(f["bags_per_program"]),
+                bags_per_program=KnobTable.parse(f["bags_per_program"], "forward.bags_per_program"),
                 gather=KnobTable.parse(f["gather"], "forward.gather"),
                 num_warps=KnobTable.parse(f["num_warps"], "forward.num_warps"),
                 # Absent in configs written before the lanes mode: the sequential path.
@@ -412,8 +418,9 @@ class KernelConfig:
             return x > 0 and x & (x - 1) == 0
 
         problems = []
-        if self.forward.bags_per_program < 1:
-            problems.append("forward.bags_per_program must be >= 1")
+        bpp = self.forward.bags_per_program
+        if min([bpp.default] + [v for _, v in bpp.by_block_d]) < 1:
+            problems.append(f"forward.bags_per_program values must be >= 1, got {bpp}")
         for name, table in [
             ("forward.gather", self.forward.gather),
             ("forward.num_warps", self.forward.num_warps),

@@ -96,9 +96,12 @@ def psw_grad(
         if not bucket.features:
             continue
         gather = cfg.gather.get(bucket.block_d)
+        # The forward's per-width table was measured for the forward only (configs/sm90.yaml); this
+        # kernel keeps the table's default at every width, as before the table.
+        bags = cfg.bags_per_program.default
         launch(
             _psw_grad_kernel,
-            (cdiv(B, cfg.bags_per_program), len(bucket.features)),
+            (cdiv(B, bags), len(bucket.features)),
             (
                 weights,
                 indices,
@@ -120,7 +123,7 @@ def psw_grad(
                 ALIGN=spec.bucket_align[k],
                 BLOCK_D=bucket.block_d,
                 GATHER=gather,
-                BAGS=cfg.bags_per_program,
+                BAGS=bags,
                 OUT_MAP=vbe is not None,
             ),
             tile_warps(cfg.num_warps.get(bucket.block_d), gather * bucket.block_d),
