@@ -69,7 +69,8 @@ class ForwardConfig:
     bag_lanes_fp32: Optional[KnobTable] = None
     # Sequence (PoolingMode.NONE) forward: lookups per program and its warps (kernels/sequence.py).
     # 32 where a config leaves it out: Triton 3.6 (torch 2.11's) fails to compile the kernel at 16
-    # ("PassManager::run failed", every BLOCK_D and warps from 2 on); 3.8 compiles both (2026-12-04).
+    # ("PassManager::run failed" at every BLOCK_D from 32 with 1-8 warps, and at 4 with 1 warp);
+    # 3.8 compiles them (tools/compile_specs.py, 2026-12-04).
     sequence_block: int = 32
     sequence_warps: int = 4
     # Streams the D-bucket launches of one pooled forward are spread over (1: the caller's stream
