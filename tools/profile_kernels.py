@@ -6,8 +6,8 @@
 Any suite shape the bench runs (fixed or variable batch, pooled or sequence): the bench's workload and
 modules (bench.runner.build_modules: identical weights), warmed up, then ``--iters`` calls of each pass
 under torch.profiler, each kernel's device time summed by name and divided by the iterations. Beside it,
-each pass's event time (median, as the bench) so the kernels' sum can be read against the wall: a sum well
-below the event time means gaps (launch-bound or streams idle), above it means kernels overlapped on
+each pass's event time (median, timed as the bench times it: bench.timing.time_steps), so the kernels'
+sum can be read against the wall: a sum well below the event time means gaps (launch-bound or streams idle), above it means kernels overlapped on
 several streams. The backward pass re-runs the forward outside the profiled region, as the bench does.
 What it answers: where a pass's GPU time goes (which kernel, which D bucket's launch), not how fast the
 pass is: use bench.cli for that (its `--check` too).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import defaultdict
 
@@ -26,20 +25,7 @@ import torch
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import load_suite
 from torchrec_triton_tbe.bench.runner import RunOptions, backward_step, build_modules, forward_step
-
-
-def _event_ms(step, iters: int) -> float:
-    times = []
-    for i in range(iters):
-        run = step(i)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from torchrec_triton_tbe.bench.timing import time_steps
 
 
 def _kernels(step, iters: int) -> dict[str, dict]:
@@ -91,7 +77,7 @@ def main() -> int:
                     step(i)()
                 torch.cuda.synchronize()
                 kernels = _kernels(step, args.iters)
-                entry[label] = {"event_ms": _event_ms(step, args.iters), "kernel_sum_ms":
+                entry[label] = {"event_ms": time_steps(step, args.iters, 0, dev).median_ms, "kernel_sum_ms":
                                 sum(k["us"] for k in kernels.values()) / 1e3, "kernels": kernels}
             report.append(entry)
             print(f"\n{name} {p}" + (f" ({args.optimizer})" if p == "bwd" else "")
