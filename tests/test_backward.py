@@ -257,6 +257,37 @@ def test_persistent_grid_fills_whole_waves(monkeypatch):
     ]
 
 
+def test_long_path_takes_its_own_tile_and_warps(monkeypatch):
+    """backward.long_tile / long_warps reach the long path's kernels (partials and apply, split schedule)
+    and leave the short kernel on backward.tile / num_warps."""
+    from torchrec_triton_tbe.config import KnobTable, load_named
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    seen = {}
+    real = bwd_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
+        seen.setdefault(kernel.__name__, set()).add((constexprs.get("TILE"), num_warps))
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
+
+    monkeypatch.setattr(bwd_ops, "launch", spy)
+    cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path="split",
+                                                      tile=KnobTable(4), num_warps=KnobTable(1),
+                                                      long_tile=KnobTable(8), long_warps=KnobTable(2))
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=cfg, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B=5, max_L=6, generator=torch.Generator().manual_seed(5),
+                         hot_fraction=0.5)
+    out = ours(batch.indices, batch.offsets)
+    out.backward(torch.ones_like(out))
+    # tile_warps caps warps where the tile is narrower than they are wide (TILE x BLOCK_D elements).
+    from torchrec_triton_tbe.config import tile_warps
+
+    assert seen["_backward_short_kernel"] == {(4, 1)}
+    widths = {b.block_d for b in ours._spec.plan.buckets if b.features}
+    assert seen["_backward_long_partials_kernel"] == seen["_backward_long_apply_kernel"] == {
+        (8, tile_warps(2, 8 * w)) for w in widths}
+
+
 @pytest.mark.parametrize("weights,expected", [(SparseType.FP32, 2), (SparseType.FP16, 4)])
 def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weights, expected):
     """backward.tile_fp32 sets the short kernel's runs per tile for fp32 weights only (fp32 rows are

@@ -48,6 +48,8 @@ def test_knob_table_lookup():
         (("backward", "waves", -1), "backward.waves must be >= 0"),
         (("backward", "tile", {128: 4}), "needs a 'default' entry"),
         (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
+        (("backward", "long_tile", {"default": 4, 128: 3}), "backward.long_tile values must be powers of two"),
+        (("backward", "long_warps", 0), "backward.long_warps values must be powers of two"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
         (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
         (("forward", "short_bag_max_lanes", 6), "forward.short_bag_max_lanes must be 0 .off. or a power of two"),
@@ -116,6 +118,22 @@ def test_replace_helpers_keep_the_rest():
     other = cfg.replace_backward(short_threshold=7)
     assert isinstance(other, KernelConfig) and other.backward.short_threshold == 7
     assert other.forward == cfg.forward and other.transpose == cfg.transpose
+
+
+def test_long_path_knobs_fall_back_to_the_short_kernels(tmp_path):
+    # Without long_tile / long_warps the long path takes the short kernel's tile (by weight width) and warps.
+    bwd = load_named("interpreter").backward
+    assert bwd.long_tile is None and bwd.long_warps is None
+    assert bwd.long_knobs(16, 2) == (bwd.tiles(16, 2), bwd.num_warps.get(16))
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    doc["backward"]["long_tile"] = {"default": 2, 128: 16}
+    doc["backward"]["long_warps"] = {"default": 1, 128: 4}
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    bwd = load_named(str(path)).backward
+    # One table for every weight width: the partials kernel reads fp32 gradients, never weights.
+    assert bwd.long_knobs(128, 2) == bwd.long_knobs(128, 4) == (16, 4)
+    assert bwd.long_knobs(64, 4) == (2, 1)
 
 
 def test_bags_per_program_by_block_d(tmp_path):

@@ -1,5 +1,5 @@
-"""Knobs change speed, never results: the short/long threshold, the long-run chunk, the tile, the
-persistent grid size and the forward's gather width and bags per program all give the same weights
+"""Knobs change speed, never results: the short/long threshold, the long-run chunk, the tile (the
+long path's own tile and warps too), the persistent grid size and the forward's gather width and bags per program all give the same weights
 (to fp32 rounding: split-K sums in another order); repeated runs are bitwise identical."""
 
 import pytest
@@ -21,6 +21,10 @@ ROUTINGS = {
     "forward-knobs": BASE.replace_forward(bags_per_program=1, gather=KnobTable(1)),
     "mixed-fused-long": BASE.replace_backward(short_threshold=4, long_chunk=3, long_path="fused"),
     "all-long-fused": BASE.replace_backward(short_threshold=1, long_chunk=4, long_path="fused", programs=3),
+    # The long path's own tile and warps (backward.long_tile / long_warps), on both schedules.
+    "long-knobs": BASE.replace_backward(short_threshold=4, long_chunk=5, long_tile=KnobTable(4), long_warps=KnobTable(2)),
+    "long-knobs-fused": BASE.replace_backward(short_threshold=4, long_chunk=5, long_path="fused",
+                                              long_tile=KnobTable(1, ((16, 8),)), long_warps=KnobTable(2)),
 }
 
 

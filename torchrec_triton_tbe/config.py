@@ -207,6 +207,16 @@ class BackwardConfig:
     # another bucket on its stream.
     split_heaviest: bool = False
     split_heaviest_max_lookups: int = 0
+    # The long path's own tile (slots per step of the partials kernel, partials per step of the apply)
+    # and warps, by BLOCK_D (None: the short kernel's tile / num_warps). Its partials kernel reads fp32
+    # gradient rows and no weights, so one table serves every weight precision.
+    long_tile: Optional[KnobTable] = None
+    long_warps: Optional[KnobTable] = None
+
+    def long_knobs(self, block_d: int, row_bytes: int) -> tuple[int, int]:
+        """(tile, num_warps) of the long path's kernels at this BLOCK_D (before tile_warps' cap)."""
+        tile = self.long_tile.get(block_d) if self.long_tile is not None else self.tiles(block_d, row_bytes)
+        return tile, (self.long_warps or self.num_warps).get(block_d)
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -406,6 +416,8 @@ class KernelConfig:
                 split_heaviest=_bool(b.get("split_heaviest", False), "backward.split_heaviest",
                                      source or str(d["target"])),
                 split_heaviest_max_lookups=int(b.get("split_heaviest_max_lookups", 0)),
+                long_tile=KnobTable.parse(b["long_tile"], "backward.long_tile") if "long_tile" in b else None,
+                long_warps=KnobTable.parse(b["long_warps"], "backward.long_warps") if "long_warps" in b else None,
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -433,6 +445,8 @@ class KernelConfig:
             ("backward.tile", self.backward.tile),
             ("backward.tile_fp32", self.backward.tile_fp32 or KnobTable(1)),
             ("backward.num_warps", self.backward.num_warps),
+            ("backward.long_tile", self.backward.long_tile or KnobTable(1)),
+            ("backward.long_warps", self.backward.long_warps or KnobTable(1)),
         ]:
             for v in [table.default] + [v for _, v in table.by_block_d]:
                 if not pow2(v):

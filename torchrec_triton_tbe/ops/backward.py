@@ -228,7 +228,8 @@ def fused_update(
         bucket = plan.buckets[k]
         stream, long_stream = (streams[lane % len(streams)] for lane in lanes[j]) if streams else (None, None)
         bd = bucket.block_d
-        tile = bcfg.tiles(bd, state.weights.element_size() + spec.optimizer.elementwise_state_bytes)
+        row_bytes = state.weights.element_size() + spec.optimizer.elementwise_state_bytes
+        tile = bcfg.tiles(bd, row_bytes)
         common = dict(
             EVEN_D=spec.bucket_even_d[k],
             ALIGN=spec.bucket_align[k],
@@ -239,6 +240,8 @@ def fused_update(
             OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
         )
         warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
+        long_tile, long_warps = bcfg.long_knobs(bd, row_bytes)
+        long_warps = tile_warps(long_warps, long_tile * bd)
         update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
         layout = (
             out_offset,
@@ -250,6 +253,7 @@ def fused_update(
         # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
         chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
         modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
+        long_modes = dict(modes, TILE=long_tile)
         _launch_persistent(
             _backward_short_kernel,
             bcfg,
@@ -297,8 +301,8 @@ def fused_update(
                     runs.chunk,
                     partial_stride,
                 ),
-                dict(**modes, **update, **common, **gathers),
-                warps,
+                dict(**long_modes, **update, **common, **gathers),
+                long_warps,
                 long_stream,
             )
             continue
@@ -322,8 +326,8 @@ def fused_update(
                 runs.chunk,
                 partial_stride,
             ),
-            dict(**modes, **common, **gathers),
-            warps,
+            dict(**long_modes, **common, **gathers),
+            long_warps,
             long_stream,
         )
         _launch_persistent(
@@ -345,8 +349,8 @@ def fused_update(
                 runs.bag_shift,
                 partial_stride,
             ),
-            dict(TILE=tile, **update, **common),
-            warps,
+            dict(TILE=long_tile, **update, **common),
+            long_warps,
             long_stream,
         )
     if streams:
