@@ -63,6 +63,10 @@
 #   multi-prod  (two GPUs) the demo under torchrun on two NCCL ranks on a production-shaped model
 #               (MULTI_SHAPE, default prod_t40_b16k, fp16, TorchRec's pipeline) for each of MULTI_SHARDINGS
 #               (default planner table_wise row_wise), MULTI_STEPS steps (default 12)
+#   ncu         Nsight Compute (--set full, --clock-control none) on the backward of NCU_SHAPE (default
+#               dlrm_t26_l1; NCU_OPTIMIZER, default exact_rowwise_adagrad), ours and FBGEMM's kernels
+#               (NCU_KERNELS regex, NCU_COUNT launches), report in $OUT/ncu_<shape>.ncu-rep; prints per kernel
+#               its duration, DRAM throughput, achieved occupancy, registers and grid (tools/ncu_table.py)
 #   ab          the bench (AB_ARGS: its options after --suite h200 --compare fbgemm) on the tree of another
 #               commit, .ab/<commit> (git-ignored; make it with `git archive <commit> torchrec_triton_tbe
 #               configs tools pyproject.toml | tar -x -C .ab/<commit>` and carry it along), and on this tree, in
@@ -260,6 +264,15 @@ PY
       done ;;
     reliability) timeout ${RELIABILITY_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider \
       tests/gpu/test_gpu_reliability.py 2>&1 | tee "$OUT/tests_reliability.txt" | tail -8 ;;
+    ncu)
+      shape=${NCU_SHAPE:-dlrm_t26_l1}
+      timeout 400 ncu --clock-control none --set full -f -o "$OUT/ncu_$shape" \
+        -k "regex:${NCU_KERNELS:-_backward|_run_|_chunk_|_linearize|_scan_|RadixSort|split_embedding_backward|linearize_index}" \
+        -c "${NCU_COUNT:-40}" python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters 2 \
+        --passes bwd --optimizer "${NCU_OPTIMIZER:-exact_rowwise_adagrad}" --only "$shape" > "$OUT/ncu_$shape.log" 2>&1
+      echo "rc=$?"; grep -i "error\|==PROF==.*fail" "$OUT/ncu_$shape.log" | tail -3
+      ncu --import "$OUT/ncu_$shape.ncu-rep" --csv --page raw > "$OUT/ncu_$shape.csv" 2> /dev/null
+      python tools/ncu_table.py "$OUT/ncu_$shape.csv" ;;
     variants)
       [ -n "$VARIANTS" ] || { echo "variants: set VARIANTS (name=section.key:value,...)"; continue; }
       files=$(python tools/config_variants.py --prefix /tmp/sm90_var_ $VARIANTS) || continue
