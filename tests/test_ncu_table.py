@@ -13,12 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import ncu_table  # noqa: E402
 
 HEADER = ["ID", "Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
-          "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
+          "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
           "launch__registers_per_thread", "launch__grid_size", "launch__block_size",
           "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
           "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
           "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
-UNITS = ["", "", "usecond", "Gbyte", "Mbyte", "%", "%", "register/thread", "", "", "inst", "inst", "inst"]
+UNITS = ["", "", "us", "Gbyte", "Mbyte", "%", "%", "register/thread", "", "", "inst", "inst", "inst"]
 
 
 def _write(path: Path, rows) -> str:
@@ -39,6 +39,7 @@ def test_converts_units_and_ranks_stalls(tmp_path, capsys):
     ])
     recs = ncu_table.rows(path)
     assert recs[0]["us"] == pytest.approx(212.5) and recs[1]["us"] == pytest.approx(1262.0)
+    assert ncu_table._TIME["nsecond"] == ncu_table._TIME["ns"] == 1e-3  # both spellings of the units row
     assert recs[0]["dram_read_MB"] == pytest.approx(690.0) and recs[0]["dram_write_MB"] == pytest.approx(5.5)
     assert recs[0]["stalls"] == [("long_scoreboard", 12.5), ("wait", 2.0)]
     assert recs[1]["stalls"] == [("barrier", 9.0), ("long_scoreboard", 8.0)]  # "n/a" is skipped

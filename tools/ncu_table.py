@@ -16,14 +16,15 @@ import re
 import sys
 from typing import Optional
 
-_TIME = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+# ncu 2025 (the H200 image) writes "us" / "Mbyte"; older versions spell times out ("usecond").
+_TIME = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 _BYTES = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3, "Tbyte": 1e6}
 _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 COLUMNS = {
     "us": "gpu__time_duration.sum",
     "dram_read_MB": "dram__bytes_read.sum",
     "dram_write_MB": "dram__bytes_write.sum",
-    "dram_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "occ_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "occ_theory_pct": "sm__maximum_warps_per_active_cycle_pct",
     "regs": "launch__registers_per_thread",
