@@ -20,7 +20,6 @@ KERNELS = {
     "_run_starts_kernel",
     "_run_chunks_kernel",
     "_chunk_offsets_kernel",
-    "_chunk_runs_kernel",
     "_scan_totals_kernel",
     "_backward_short_kernel",
     "_backward_long_partials_kernel",
@@ -34,7 +33,7 @@ KERNELS = {
 ATOMIC_FREE = {"_small_forward_kernel", "_small_backward_partials_kernel", "_small_backward_apply_kernel",
                "_sequence_forward_kernel", "_vbe_layout_kernel", "_backward_short_kernel", "_backward_long_partials_kernel", "_backward_long_apply_kernel",
                "_psw_grad_kernel", "_linearize_kernel", "_run_flags_kernel", "_run_starts_kernel",
-               "_run_chunks_kernel", "_chunk_offsets_kernel", "_chunk_runs_kernel", "_repair_offsets_kernel"}
+               "_run_chunks_kernel", "_chunk_offsets_kernel", "_repair_offsets_kernel"}
 
 
 def test_every_kernel_lowers_to_cubin_for_sm90_and_sm100(tmp_path):

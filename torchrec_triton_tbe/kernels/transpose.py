@@ -233,6 +233,7 @@ def _chunk_offsets_kernel(
     bucket_run_bounds_ptr,
     run_chunk_begin_ptr,
     bucket_chunk_bounds_ptr,
+    chunk_run_ptr,
     num_programs,
     threshold,
     chunk,
@@ -240,21 +241,33 @@ def _chunk_offsets_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     """
     Grid: [cdiv(N + 1, BLOCK)], over runs r in [p * BLOCK, (p + 1) * BLOCK), written for r <= the run
     count R (run_prefix[num_programs]); entries past R are left unwritten and never read.
-    chunk_prefix[p]: the chunks of the runs before this program's (scanned program totals).
+    SEARCH_STEPS: bit_length(BLOCK - 1), the halvings that narrow BLOCK runs to one.
+    chunk_prefix[p]: the chunks of the runs before this program's (scanned program totals; entry
+    num_programs: all chunks).
     run_chunk_begin[r] = the chunks of all runs before r (exclusive prefix sum; entry R = all chunks);
     bucket_chunk_bounds[k] = run_chunk_begin[bucket_run_bounds[k]], written by the program holding
-    that run. Each chunk's run (chunk_run) is _chunk_runs_kernel's, which reads run_chunk_begin.
+    that run.
+    chunk_run[q] = the run owning chunk q, for this program's chunks [chunk_prefix[p], chunk_prefix[p +
+    1]): the largest run r of the block with run_chunk_begin[r] <= q (runs without chunks share their
+    successor's begin, so the largest is the one with chunks), a binary search over the block's begins
+    just written (log2(BLOCK) steps). Why here: a separate pass searched all R + 1 begins per chunk (up to
+    bit_length(N + 1) dependent loads): 30 µs of dlrm_t26_l1's backward on the H200 under Nsight Compute,
+    111 programs of 4 warps waiting on 21 round trips (docs/performance.md). A loop over each run's
+    chunks instead took as many steps as the longest run has chunks (0.248 ms at 7.6 M lookups); this
+    one takes one search per BLOCK of the block's chunks.
     """
     p = tl.program_id(0)
     r = _block_slots(BLOCK, WIDE)
     num_runs = tl.load(run_prefix_ptr + num_programs).to(r.dtype)
     in_range = r <= num_runs
     c = _run_chunk_count(run_start_ptr, r, num_runs, threshold, chunk)
-    first = tl.load(chunk_prefix_ptr + p).to(r.dtype) + tl.cumsum(c, axis=0) - c
+    c_lo = tl.load(chunk_prefix_ptr + p).to(r.dtype)
+    first = c_lo + tl.cumsum(c, axis=0) - c
     tl.store(run_chunk_begin_ptr + r, first.to(run_chunk_begin_ptr.dtype.element_ty), mask=in_range)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_bounds
@@ -265,35 +278,24 @@ def _chunk_offsets_kernel(
         (first[:, None] + 0 * kk[None, :]).to(bucket_chunk_bounds_ptr.dtype.element_ty),
         mask=hit,
     )
-
-
-# num_programs and steps index and bound a binary search: not specialized (a recompile per batch
-# count's divisibility).
-@triton.jit(do_not_specialize=["num_programs", "steps"])
-def _chunk_runs_kernel(
-    run_chunk_begin_ptr, run_prefix_ptr, chunk_run_ptr, num_programs, steps, BLOCK: tl.constexpr, WIDE: tl.constexpr
-):
-    """Grid: [cdiv(max_chunks, BLOCK)], over chunks q in [p * BLOCK, (p + 1) * BLOCK):
-    chunk_run[q] = the run r owning chunk q, the largest r with run_chunk_begin[r] <= q (runs without
-    chunks share their successor's begin, so the largest is the one with chunks), for q below the
-    chunk total run_chunk_begin[R] (R = run_prefix[num_programs], the run count); slots past it are
-    not written (the long-path kernels stop at bucket_chunk_bounds[K]). A binary search over the R + 1
-    begins, at most ``steps`` = bit_length(N + 1) halvings. Why not a store loop per run: a program
-    then took as many steps as its longest run has chunks (a hot row of a small table read by long
-    bags has hundreds), and the pass took 0.248 ms at 7.6 M lookups in the production-shaped TorchRec
-    step on the H200; this kernel and the loop-free _chunk_offsets_kernel take 0.030 + 0.028 ms there,
-    every chunk costing the same ~23 dependent loads from L2 (docs/performance.md "End to end,
-    production-shaped")."""
-    q = _block_slots(BLOCK, WIDE)
-    num_runs = tl.load(run_prefix_ptr + num_programs).to(q.dtype)
-    total = tl.load(run_chunk_begin_ptr + num_runs)
-    live = q < total
-    lo = tl.zeros_like(q)
-    hi = tl.zeros_like(q) + num_runs
-    for _ in range(0, steps):
-        active = live & (lo < hi)
-        mid = lo + (hi - lo + 1) // 2  # never lo + hi: N may be near 2**31 in int32 slots
-        go = tl.load(run_chunk_begin_ptr + mid, mask=active, other=0) <= q
-        lo = tl.where(active & go, mid, lo)
-        hi = tl.where(active & ~go, mid - 1, hi)
-    tl.store(chunk_run_ptr + q, lo.to(chunk_run_ptr.dtype.element_ty), mask=live)
+    # Every thread's begins are stored before any thread searches them (the barrier makes a block's
+    # global stores visible to the whole block).
+    tl.debug_barrier()
+    c_hi = tl.load(chunk_prefix_ptr + p + 1).to(r.dtype)
+    # The block's runs that may own chunks: [first run, last run below R]; when the block holds none,
+    # it has no chunks either (c_lo == c_hi) and the loop does not run.
+    r_first = tl.min(r, axis=0)
+    r_last = tl.minimum(tl.max(r, axis=0), num_runs - 1)
+    lanes = tl.arange(0, BLOCK).to(r.dtype)
+    for q0 in range(c_lo, c_hi, BLOCK):
+        q = q0 + lanes
+        live = q < c_hi
+        lo = tl.zeros_like(q) + r_first
+        hi = tl.zeros_like(q) + r_last
+        for _ in tl.static_range(SEARCH_STEPS):
+            active = live & (lo < hi)
+            mid = lo + (hi - lo + 1) // 2
+            go = tl.load(run_chunk_begin_ptr + mid, mask=active, other=0).to(r.dtype) <= q
+            lo = tl.where(active & go, mid, lo)
+            hi = tl.where(active & ~go, mid - 1, hi)
+        tl.store(chunk_run_ptr + q, lo.to(chunk_run_ptr.dtype.element_ty), mask=live)

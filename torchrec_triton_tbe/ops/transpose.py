@@ -13,7 +13,6 @@ import torch
 
 from torchrec_triton_tbe.kernels.transpose import (
     _chunk_offsets_kernel,
-    _chunk_runs_kernel,
     _linearize_kernel,
     _run_chunks_kernel,
     _run_flags_kernel,
@@ -130,7 +129,7 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     run_block = tcfg.run_block
     programs = cdiv(N + 1, run_block)  # one block of slots (or runs 0..N) each
     # Small batches are launch-bound (the host issues ops slower than the GPU runs them): the tables
-    # below take seven Triton launches with nothing but allocations between them.
+    # below take six Triton launches with nothing but allocations between them.
     sorted_bags = torch.empty_like(bags)
     run_start = torch.empty(N + 1, dtype=idt, device=device)
     bucket_run_bounds = torch.empty(num_bounds, dtype=idt, device=device)
@@ -162,16 +161,9 @@ def build_runs(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: i
     launch(
         _chunk_offsets_kernel,
         grid,
-        (run_start, run_totals, chunk_totals, bucket_run_bounds, run_chunk_begin, bucket_chunk_bounds,
+        (run_start, run_totals, chunk_totals, bucket_run_bounds, run_chunk_begin, bucket_chunk_bounds, chunk_run,
          programs, threshold, chunk, num_bounds),
-        dict(**blocks, BLOCK_K=block_k),
-        4,
-    )
-    launch(
-        _chunk_runs_kernel,
-        (cdiv(max_chunks, run_block),),
-        (run_chunk_begin, run_totals, chunk_run, programs, (N + 1).bit_length()),
-        dict(BLOCK=run_block, WIDE=wide_slots(max_chunks, run_block) or blocks["WIDE"]),
+        dict(**blocks, BLOCK_K=block_k, SEARCH_STEPS=(run_block - 1).bit_length()),
         4,
     )
     return RunPlan(
