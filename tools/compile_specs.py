@@ -4,19 +4,74 @@ the GPU image's Triton (3.6) from a CPU machine whose main environment has anoth
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     TRITON_INTERPRET=0 .venv/bin/python -m torchrec_triton_tbe.aot --dump-specs /tmp/specs.json
-    /tmp/t36/bin/python tools/compile_specs.py /tmp/specs.json
+    /tmp/t36/bin/python tools/compile_specs.py /tmp/specs.json [--resources [--json out.json]]
+
+--resources: each compiled cubin's registers per thread, stack frame and local memory, read with the
+cuobjdump that Triton's wheel carries (no GPU needed). A non-zero stack frame or local memory is a
+register spill, a speed hazard that only this shows from a CPU; each one is printed, then the most
+registers per kernel. Spills do not change the exit status: whether a spilling specialization is slower
+than one that does not spill is for the GPU to say.
 """
 
+from __future__ import annotations
+
+import argparse
 import importlib
 import json
+import os
 import pathlib
+import re
+import subprocess
 import sys
+import tempfile
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+# What identifies a specialization in the report (the rest of its constexprs are layout details).
+_KEY_CONSTEXPRS = ("BLOCK_D", "TILE", "GATHER", "LANES", "BAGS", "OPTIM", "WEIGHTED", "POOLING_MEAN", "EVEN_D")
 
 
-def main() -> int:
+def resource_usage(cuobjdump_output: str) -> dict:
+    """{registers, stack, shared, local} of the one kernel in `cuobjdump --dump-resource-usage` output."""
+    m = _USAGE.search(cuobjdump_output)
+    if m is None:
+        raise ValueError(f"no resource line in cuobjdump output: {cuobjdump_output[-300:]!r}")
+    reg, stack, shared, local = (int(x) for x in m.groups())
+    return {"registers": reg, "stack": stack, "shared": shared, "local": local}
+
+
+def spills(usage: dict) -> bool:
+    return usage["stack"] > 0 or usage["local"] > 0
+
+
+def report(rows: list[dict]) -> str:
+    """The spilling specializations, then the most registers (and any spill) per kernel."""
+    lines = []
+    spilled = [r for r in rows if spills(r["usage"])]
+    for r in spilled:
+        u = r["usage"]
+        lines.append(f"SPILL sm_{r['target']} {r['kernel']} {r['key']} warps={r['num_warps']}: "
+                     f"{u['registers']} registers, stack {u['stack']} B, local {u['local']} B")
+    per_kernel: dict[str, list[dict]] = {}
+    for r in rows:
+        per_kernel.setdefault(r["kernel"], []).append(r)
+    lines.append("| kernel | specializations | most registers | spilling |")
+    lines.append("|---|---|---|---|")
+    for name in sorted(per_kernel):
+        rs = per_kernel[name]
+        lines.append(f"| {name} | {len(rs)} | {max(r['usage']['registers'] for r in rs)} | "
+                     f"{sum(spills(r['usage']) for r in rs)} |")
+    lines.append(f"{len(spilled)} of {len(rows)} specializations spill")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("specs")
+    p.add_argument("--resources", action="store_true", help="registers, stack and local memory per cubin")
+    p.add_argument("--json", default=None, help="with --resources: every specialization's usage")
+    args = p.parse_args(argv)
     # Register the package and its kernels folder without running torchrec_triton_tbe/__init__.py
     # (which imports torch): kernel modules import nothing but triton and each other.
     for name, path in (("torchrec_triton_tbe", ""), ("torchrec_triton_tbe.kernels", "kernels")):
@@ -27,13 +82,14 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    specs = json.load(open(sys.argv[1]))
-    failures = 0
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    specs = json.load(open(args.specs))
+    failures, rows = 0, []
     for sp in specs:
         fn = getattr(importlib.import_module(sp["module"]), sp["kernel"])
         attrs = {(i,): [["tt.divisibility", 16]] for i in sp["divisible"]}
         try:
-            triton.compile(
+            compiled = triton.compile(
                 ASTSource(fn=fn, signature=sp["signature"], constexprs=sp["constexprs"], attrs=attrs),
                 target=GPUTarget("cuda", sp["target"], 32),
                 options={"num_warps": sp["num_warps"]},
@@ -42,7 +98,22 @@ def main() -> int:
             failures += 1
             print(f"FAIL sm_{sp['target']} {sp['kernel']} {sp['constexprs']} warps={sp['num_warps']}: "
                   f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else repr(e)}")
+            continue
+        if args.resources:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+                fh.write(compiled.asm["cubin"])
+                fh.flush()
+                out = subprocess.run([cuobjdump, "--dump-resource-usage", fh.name], capture_output=True,
+                                     text=True, check=True).stdout
+            rows.append({"kernel": sp["kernel"], "target": sp["target"], "num_warps": sp["num_warps"],
+                         "key": {k: sp["constexprs"][k] for k in _KEY_CONSTEXPRS if k in sp["constexprs"]},
+                         "usage": resource_usage(out)})
     print(f"triton {triton.__version__}: {len(specs) - failures}/{len(specs)} specializations compiled")
+    if args.resources:
+        print(report(rows))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"triton": triton.__version__, "specializations": rows}, fh, indent=1)
     return 1 if failures else 0
 
 
