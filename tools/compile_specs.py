@@ -7,9 +7,9 @@ the GPU image's Triton (3.6) from a CPU machine whose main environment has anoth
     /tmp/t36/bin/python tools/compile_specs.py /tmp/specs.json [--resources [--json out.json]]
 
 --resources: each compiled cubin's registers per thread, stack frame and local memory, read with the
-cuobjdump that Triton's wheel carries (no GPU needed). A non-zero stack frame or local memory is a
-register spill, a speed hazard that only this shows from a CPU; each one is printed, then the most
-registers per kernel. Spills do not change the exit status: whether a spilling specialization is slower
+cuobjdump that Triton's wheel carries (no GPU needed; torchrec_triton_tbe/_resources.py). A non-zero
+stack frame or local memory is a register spill, a speed hazard that only this shows from a CPU; each
+one is printed, then the most registers per kernel. Spills do not change the exit status: whether a spilling specialization is slower
 than one that does not spill is for the GPU to say.
 """
 
@@ -18,35 +18,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import pathlib
-import re
-import subprocess
 import sys
-import tempfile
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 # What identifies a specialization in the report (the rest of its constexprs are layout details).
 _KEY_CONSTEXPRS = ("BLOCK_D", "TILE", "GATHER", "LANES", "BAGS", "OPTIM", "WEIGHTED", "POOLING_MEAN", "EVEN_D")
 
 
-def resource_usage(cuobjdump_output: str) -> dict:
-    """{registers, stack, shared, local} of the one kernel in `cuobjdump --dump-resource-usage` output."""
-    m = _USAGE.search(cuobjdump_output)
-    if m is None:
-        raise ValueError(f"no resource line in cuobjdump output: {cuobjdump_output[-300:]!r}")
-    reg, stack, shared, local = (int(x) for x in m.groups())
-    return {"registers": reg, "stack": stack, "shared": shared, "local": local}
-
-
-def spills(usage: dict) -> bool:
-    return usage["stack"] > 0 or usage["local"] > 0
-
-
 def report(rows: list[dict]) -> str:
     """The spilling specializations, then the most registers (and any spill) per kernel."""
+    from torchrec_triton_tbe._resources import spills
+
     lines = []
     spilled = [r for r in rows if spills(r["usage"])]
     for r in spilled:
@@ -66,23 +50,29 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _register_package() -> None:
+    """The package and its kernels folder as bare modules, without running torchrec_triton_tbe/__init__.py
+    (which imports torch): kernel modules and _resources import nothing but triton and each other."""
+    for name, path in (("torchrec_triton_tbe", ""), ("torchrec_triton_tbe.kernels", "kernels")):
+        if name not in sys.modules:
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(ROOT / "torchrec_triton_tbe" / path)]
+            sys.modules[name] = mod
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("specs")
     p.add_argument("--resources", action="store_true", help="registers, stack and local memory per cubin")
     p.add_argument("--json", default=None, help="with --resources: every specialization's usage")
     args = p.parse_args(argv)
-    # Register the package and its kernels folder without running torchrec_triton_tbe/__init__.py
-    # (which imports torch): kernel modules import nothing but triton and each other.
-    for name, path in (("torchrec_triton_tbe", ""), ("torchrec_triton_tbe.kernels", "kernels")):
-        mod = types.ModuleType(name)
-        mod.__path__ = [str(ROOT / "torchrec_triton_tbe" / path)]
-        sys.modules[name] = mod
+    _register_package()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    from torchrec_triton_tbe._resources import cubin_usage
+
     specs = json.load(open(args.specs))
     failures, rows = 0, []
     for sp in specs:
@@ -100,14 +90,9 @@ def main(argv=None) -> int:
                   f"{str(e).strip().splitlines()[-1][:300] if str(e).strip() else repr(e)}")
             continue
         if args.resources:
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-                fh.write(compiled.asm["cubin"])
-                fh.flush()
-                out = subprocess.run([cuobjdump, "--dump-resource-usage", fh.name], capture_output=True,
-                                     text=True, check=True).stdout
             rows.append({"kernel": sp["kernel"], "target": sp["target"], "num_warps": sp["num_warps"],
                          "key": {k: sp["constexprs"][k] for k in _KEY_CONSTEXPRS if k in sp["constexprs"]},
-                         "usage": resource_usage(out)})
+                         "usage": cubin_usage(compiled.asm["cubin"])})
     print(f"triton {triton.__version__}: {len(specs) - failures}/{len(specs)} specializations compiled")
     if args.resources:
         print(report(rows))

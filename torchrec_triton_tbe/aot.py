@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchrec_triton_tbe import _env
+from torchrec_triton_tbe import _env, _resources
 
 _TORCH_TO_TRITON = {
     torch.float32: "fp32",
@@ -333,6 +333,8 @@ def compile_all(specs: list, targets: list[int]) -> list[dict]:
                     "num_warps": num_warps,
                     "cubin_bytes": len(compiled.asm["cubin"]),
                     "atomics_in_ptx": ptx.count("atom.global") + ptx.count("red.global"),
+                    # Registers, stack frame, local memory (a stack or local memory: spilled registers).
+                    **_resources.cubin_usage(compiled.asm["cubin"]),
                     "seconds": round(time.time() - t0, 2),
                 }
             )
@@ -373,11 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, fh, indent=1)
     by_kernel: dict = {}
     for r in results:
-        k = by_kernel.setdefault((r["kernel"], r["target"]), [0, 0])
+        k = by_kernel.setdefault((r["kernel"], r["target"]), [0, 0, 0, 0])
         k[0] += 1
         k[1] = max(k[1], r["atomics_in_ptx"])
-    for (kernel, target), (n, atomics) in sorted(by_kernel.items()):
-        print(f"{target:7s} {kernel:34s} {n:4d} cubins   max atomics in ptx: {atomics}")
+        k[2] = max(k[2], r["registers"])
+        k[3] += _resources.spills(r)
+    for (kernel, target), (n, atomics, regs, spilled) in sorted(by_kernel.items()):
+        print(f"{target:7s} {kernel:34s} {n:4d} cubins   max atomics in ptx: {atomics}   max registers: {regs}"
+              f"   spilling: {spilled}")
     print(f"aot: {len(results)} cubins in {time.time() - t0:.0f}s")
     return 0
 
