@@ -257,10 +257,12 @@ def test_persistent_grid_fills_whole_waves(monkeypatch):
     ]
 
 
-def test_long_path_takes_its_own_tile_and_warps(monkeypatch):
-    """backward.long_tile / long_warps reach the long path's kernels (partials and apply, split schedule)
-    and leave the short kernel on backward.tile / num_warps."""
-    from torchrec_triton_tbe.config import KnobTable, load_named
+@pytest.mark.parametrize("long_path", ["split", "fused"])
+def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
+    """backward.long_tile / long_warps reach the long path's kernels (partials and apply, or the fused
+    one) and leave the short kernel on backward.tile / num_warps. Tables of width 64, so the warps differ
+    after tile_warps' cap (8 x 64 elements hold two warps, 4 x 64 one)."""
+    from torchrec_triton_tbe.config import KnobTable, load_named, tile_warps
     from torchrec_triton_tbe.ops import backward as bwd_ops
 
     seen = {}
@@ -271,21 +273,22 @@ def test_long_path_takes_its_own_tile_and_warps(monkeypatch):
         return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
 
     monkeypatch.setattr(bwd_ops, "launch", spy)
-    cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path="split",
+    cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path=long_path,
                                                       tile=KnobTable(4), num_warps=KnobTable(1),
                                                       long_tile=KnobTable(8), long_warps=KnobTable(2))
-    ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=cfg, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-    batch = skewed_batch([r for r, _ in SPECS], FTM, B=5, max_L=6, generator=torch.Generator().manual_seed(5),
+    specs = [(40, 64), (30, 64)]
+    ours, _ = make_pair(specs, [0, 1], oracle="reference", kernel_config=cfg,
+                        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = skewed_batch([r for r, _ in specs], [0, 1], B=5, max_L=6, generator=torch.Generator().manual_seed(5),
                          hot_fraction=0.5)
     out = ours(batch.indices, batch.offsets)
     out.backward(torch.ones_like(out))
-    # tile_warps caps warps where the tile is narrower than they are wide (TILE x BLOCK_D elements).
-    from torchrec_triton_tbe.config import tile_warps
-
+    assert tile_warps(2, 8 * 64) == 2 and tile_warps(1, 4 * 64) == 1
     assert seen["_backward_short_kernel"] == {(4, 1)}
-    widths = {b.block_d for b in ours._spec.plan.buckets if b.features}
-    assert seen["_backward_long_partials_kernel"] == seen["_backward_long_apply_kernel"] == {
-        (8, tile_warps(2, 8 * w)) for w in widths}
+    longs = (["_backward_long_partials_kernel", "_backward_long_apply_kernel"] if long_path == "split"
+             else ["_backward_long_fused_kernel"])
+    for name in longs:
+        assert seen[name] == {(8, 2)}, name
 
 
 @pytest.mark.parametrize("weights,expected", [(SparseType.FP32, 2), (SparseType.FP16, 4)])

@@ -22,7 +22,7 @@ ROUTINGS = {
     "mixed-fused-long": BASE.replace_backward(short_threshold=4, long_chunk=3, long_path="fused"),
     "all-long-fused": BASE.replace_backward(short_threshold=1, long_chunk=4, long_path="fused", programs=3),
     # The long path's own tile and warps (backward.long_tile / long_warps), on both schedules.
-    "long-knobs": BASE.replace_backward(short_threshold=4, long_chunk=5, long_tile=KnobTable(4), long_warps=KnobTable(2)),
+    "long-knobs": BASE.replace_backward(short_threshold=4, long_chunk=5, long_tile=KnobTable(8), long_warps=KnobTable(2)),
     "long-knobs-fused": BASE.replace_backward(short_threshold=4, long_chunk=5, long_path="fused",
                                               long_tile=KnobTable(1, ((16, 8),)), long_warps=KnobTable(2)),
 }

@@ -150,3 +150,26 @@ def test_linearize_tile_keeps_the_tile_size():
     for n, bags in ((7, 3), (100, 9), (5, 1)):
         b, s = tr_ops.linearize_tile(4, 4, n, bags)
         assert b * s == 16 and s <= 4
+
+
+@pytest.mark.parametrize("run_block", [2, 4, 16])
+def test_chunk_owners_of_a_row_in_every_bag(run_block):
+    """A default id in (almost) every bag: one run holds most chunks, so the program owning its block
+    writes them over many rounds of run_block chunks; after the first round's search, rounds wholly
+    inside that run store it without one (kernels/transpose.py _chunk_offsets_kernel). The owners match
+    a torch derivation whatever the rounds."""
+    import dataclasses
+
+    cfg = load_named("interpreter").replace_backward(short_threshold=1, long_chunk=1)
+    cfg = dataclasses.replace(cfg, transpose=dataclasses.replace(cfg.transpose, run_block=run_block))
+    ours, _ = make_pair(SPECS, FTM, kernel_config=cfg)
+    B = 16
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B, 6, torch.Generator().manual_seed(9), hot_fraction=0.9,
+                         min_L=2)
+    runs = tr_ops.build_runs(ours.spec, batch.indices, batch.offsets, B)
+    lens = (runs.run_start[1:] - runs.run_start[:-1]).to(torch.int64)
+    R = runs.stats()["runs"]
+    # chunk 1, threshold 1: every lookup is a chunk; the hot rows' runs span several full rounds.
+    assert int(lens.max()) >= 3 * run_block
+    chunk_run = torch.repeat_interleave(torch.arange(R), lens[:R])
+    assert torch.equal(runs.chunk_run[: chunk_run.numel()].to(torch.int64), chunk_run)

@@ -271,7 +271,7 @@ PY
         -c "${NCU_COUNT:-40}" python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --iters 2 \
         --passes bwd --optimizer "${NCU_OPTIMIZER:-exact_rowwise_adagrad}" --only "$shape" > "$OUT/ncu_$shape.log" 2>&1
       echo "rc=$?"; grep -i "error\|==PROF==.*fail" "$OUT/ncu_$shape.log" | tail -3
-      ncu --import "$OUT/ncu_$shape.ncu-rep" --csv --page raw > "$OUT/ncu_$shape.csv" 2> /dev/null
+      ncu --import "$OUT/ncu_$shape.ncu-rep" --csv --page raw --print-units base > "$OUT/ncu_$shape.csv" 2> /dev/null
       python tools/ncu_table.py "$OUT/ncu_$shape.csv" ;;
     variants)
       [ -n "$VARIANTS" ] || { echo "variants: set VARIANTS (name=section.key:value,...)"; continue; }

@@ -1,4 +1,5 @@
-"""One line per kernel launch of an Nsight Compute raw CSV (`ncu --import R.ncu-rep --csv --page raw`):
+"""One line per kernel launch of an Nsight Compute raw CSV (`ncu --import R.ncu-rep --csv --page raw
+--print-units base`):
 duration, DRAM bytes and throughput, achieved and theoretical occupancy, registers, grid, and the two
 largest warp stall reasons (cycles per issued instruction). tools/device_session.sh `ncu` prints it.
 
@@ -64,7 +65,9 @@ def rows(path: str) -> list[dict]:
             elif value is not None and key.endswith("_MB"):
                 value *= _BYTES.get(units[i], float("nan"))
             rec[key] = value
-        stalls = [(m.group(1), _number(raw[i])) for name, i in col.items() if (m := _STALL.match(name))]
+        # "selected" is the issuing warp's own cycle, not a stall.
+        stalls = [(m.group(1), _number(raw[i])) for name, i in col.items()
+                  if (m := _STALL.match(name)) and m.group(1) != "selected"]
         rec["stalls"] = sorted(((r, v) for r, v in stalls if v is not None), key=lambda rv: -rv[1])[:2]
         out.append(rec)
     return out

@@ -1,7 +1,8 @@
 """Registers, stack frame and local memory of a compiled kernel, read from its cubin with the cuobjdump
 that Triton's wheel carries: no GPU and no torch needed (tools/compile_specs.py imports this module under
-another Triton without the package's __init__). A stack frame or local memory means ptxas spilled
-registers, a speed hazard otherwise seen only on the GPU."""
+another Triton without the package's __init__). A stack frame or local memory is taken for spilled
+registers (ptxas's usual reason for either; a call stack is the other), a speed hazard otherwise seen only on
+the GPU."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def cubin_usage(cubin: bytes) -> dict:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        raise FileNotFoundError(f"no cuobjdump at {tool}: this Triton's NVIDIA backend does not carry one")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()

@@ -259,7 +259,8 @@ def _chunk_offsets_kernel(
     bit_length(N + 1) dependent loads): 30 µs of dlrm_t26_l1's backward on the H200 under Nsight Compute,
     111 programs of 4 warps waiting on 21 round trips (docs/performance.md). A loop over each run's
     chunks instead took as many steps as the longest run has chunks (0.248 ms at 7.6 M lookups); this
-    one takes one search per BLOCK of the block's chunks.
+    one takes one search per BLOCK of the block's chunks, and none for a round of BLOCK chunks that all
+    belong to the run the previous round ended in (a hot row's).
     """
     p = tl.program_id(0)
     r = _block_slots(BLOCK, WIDE)
@@ -287,15 +288,30 @@ def _chunk_offsets_kernel(
     r_first = tl.min(r, axis=0)
     r_last = tl.minimum(tl.max(r, axis=0), num_runs - 1)
     lanes = tl.arange(0, BLOCK).to(r.dtype)
+    # A hot row's run can hold most of a block's chunks (a default id in every bag: hundreds of thousands
+    # of chunks), which one program writes BLOCK per round. The run owning the last chunk searched and the
+    # end of its chunks are kept, so rounds wholly inside that run store it without a search: such a run
+    # costs one search, then stores only.
+    cur_run = r_first
+    cur_end = c_lo  # the first round searches
     for q0 in range(c_lo, c_hi, BLOCK):
         q = q0 + lanes
         live = q < c_hi
-        lo = tl.zeros_like(q) + r_first
-        hi = tl.zeros_like(q) + r_last
-        for _ in tl.static_range(SEARCH_STEPS):
-            active = live & (lo < hi)
-            mid = lo + (hi - lo + 1) // 2
-            go = tl.load(run_chunk_begin_ptr + mid, mask=active, other=0).to(r.dtype) <= q
-            lo = tl.where(active & go, mid, lo)
-            hi = tl.where(active & ~go, mid - 1, hi)
-        tl.store(chunk_run_ptr + q, lo.to(chunk_run_ptr.dtype.element_ty), mask=live)
+        if q0 + BLOCK <= cur_end:
+            owner = tl.zeros_like(q) + cur_run
+        else:
+            lo = tl.zeros_like(q) + r_first
+            hi = tl.zeros_like(q) + r_last
+            for _ in tl.static_range(SEARCH_STEPS):
+                active = live & (lo < hi)
+                mid = lo + (hi - lo + 1) // 2
+                go = tl.load(run_chunk_begin_ptr + mid, mask=active, other=0).to(r.dtype) <= q
+                lo = tl.where(active & go, mid, lo)
+                hi = tl.where(active & ~go, mid - 1, hi)
+            owner = lo
+            # Owners never decrease with q: the largest is the last live chunk's. Its chunks end at its
+            # first chunk plus its count, both still in registers (the next run's begin may belong to
+            # the next program's block, written with no order to this one).
+            cur_run = tl.max(tl.where(live, lo, r_first), axis=0)
+            cur_end = tl.sum(tl.where(r == cur_run, first + c, 0), axis=0)
+        tl.store(chunk_run_ptr + q, owner.to(chunk_run_ptr.dtype.element_ty), mask=live)
