@@ -64,8 +64,9 @@
 #               (MULTI_SHAPE, default prod_t40_b16k, fp16, TorchRec's pipeline) for each of MULTI_SHARDINGS
 #               (default planner table_wise row_wise), MULTI_STEPS steps (default 12)
 #   ncu         Nsight Compute (--set full, --clock-control none) on the backward of NCU_SHAPE (default
-#               dlrm_t26_l1; NCU_OPTIMIZER, default exact_rowwise_adagrad), ours and FBGEMM's kernels
-#               (NCU_KERNELS regex, NCU_COUNT launches), report in $OUT/ncu_<shape>.ncu-rep; prints per kernel
+#               dlrm_t26_l1; NCU_OPTIMIZER, default exact_rowwise_adagrad), the first NCU_COUNT (40) launches
+#               matching NCU_KERNELS: the request generator's sort, then ours (session 36: 40 ended inside our
+#               second backward; FBGEMM's come later, so raise it for them), report in $OUT/ncu_<shape>.ncu-rep; prints per kernel
 #               its duration, DRAM throughput, achieved occupancy, registers and grid (tools/ncu_table.py)
 #   ab          the bench (AB_ARGS: its options after --suite h200 --compare fbgemm) on the tree of another
 #               commit, .ab/<commit> (git-ignored; make it with `git archive <commit> torchrec_triton_tbe
