@@ -9,8 +9,8 @@ the GPU image's Triton (3.6) from a CPU machine whose main environment has anoth
 --resources: each compiled cubin's registers per thread, stack frame and local memory, read with the
 cuobjdump that Triton's wheel carries (no GPU needed; torchrec_triton_tbe/_resources.py). A non-zero
 stack frame or local memory is a register spill, a speed hazard that only this shows from a CPU; each
-one is printed, then the most registers per kernel. Spills do not change the exit status: whether a spilling specialization is slower
-than one that does not spill is for the GPU to say.
+one is printed, then the most registers per kernel. Spills do not change the exit status: whether a
+spilling specialization is slower than one that does not spill is for the GPU to say.
 """
 
 from __future__ import annotations
