@@ -76,3 +76,53 @@ def test_every_kernel_lowers_to_cubin_for_sm90_and_sm100(tmp_path):
     spilled = {(r["kernel"], r["constexprs"].get("BLOCK_D"), r["constexprs"].get("TILE"), r["num_warps"])
                for r in results if r["target"] == "sm_90" and _resources.spills(r)}
     assert spilled <= KNOWN_SPILLS_SM90, spilled - KNOWN_SPILLS_SM90
+
+
+_CAP_SCRIPT = r"""
+import json, torch
+from torchrec_triton_tbe import _resources, aot
+from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
+from torchrec_triton_tbe.config import KnobTable, load_named
+from torchrec_triton_tbe.module import TritonTBE
+
+cfg = load_named("sm90")
+cfg = cfg.replace_backward(max_registers=KnobTable(0, ((128, 64),)))
+with aot.recording() as seen:
+    m = TritonTBE([(50, 128), (40, 16)], kernel_config=cfg, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                  device="cpu", weights_precision=SparseType.FP16)
+    offsets = torch.arange(0, 2 * 16 * 3 + 1, 3)
+    out = m(torch.arange(offsets[-1].item()) % 40, offsets)
+    out.backward(torch.ones_like(out))
+short = [s for s in seen.values() if s[0].fn.__name__ == "_backward_short_kernel"]
+caps = sorted((s[2]["BLOCK_D"], s[5]) for s in short)
+fn, sig, consts, divisible, warps, maxnreg = next(s for s in short if s[2]["BLOCK_D"] == 128)
+regs = {cap: _resources.cubin_usage(aot.lower(fn, sig, consts, divisible, warps, 90, cap).asm["cubin"])["registers"]
+        for cap in (maxnreg, None)}
+json.dump([{"target": 90, "module": fn.fn.__module__, "kernel": fn.fn.__name__, "signature": sig, "constexprs": consts,
+            "divisible": list(divisible), "num_warps": warps, "maxnreg": maxnreg}], open(SPECS_OUT, "w"))
+print(json.dumps({"caps": caps, "capped": regs[maxnreg], "free": regs[None]}))
+"""
+
+
+def test_register_cap_is_recorded_and_reaches_ptxas(tmp_path):
+    """backward.max_registers goes from the config through a recorded launch (aot.recording) to the
+    sm_90 cubin: the short kernel at BLOCK_D 128 (fp16, row-wise Adagrad) compiled with the recorded cap
+    uses at most that many registers, and more without it; the BLOCK_D 16 launch carries no cap. The
+    recorded spec, through tools/compile_specs.py: the recorded cap, and --maxnreg 0 lifting it."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    specs = tmp_path / "specs.json"
+    proc = subprocess.run([sys.executable, "-c", f"SPECS_OUT = {str(specs)!r}\n" + _CAP_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["caps"] == [[16, None], [128, 64]]
+    assert got["capped"] <= 64 < got["free"], got
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "compile_specs.py")
+    for extra, capped in (([], True), (["--maxnreg", "0"], False)):
+        out = tmp_path / f"resources{len(extra)}.json"
+        proc = subprocess.run([sys.executable, tool, str(specs), "--resources", "--only", "_backward_short_kernel",
+                               "--json", str(out), *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (row,) = json.loads(out.read_text())["specializations"]
+        assert row["maxnreg"] == (64 if capped else None)
+        assert row["usage"]["registers"] == (got["capped"] if capped else got["free"]), (row, got)

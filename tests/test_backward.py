@@ -268,9 +268,9 @@ def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
     seen = {}
     real = bwd_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
         seen.setdefault(kernel.__name__, set()).add((constexprs.get("TILE"), num_warps))
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
 
     monkeypatch.setattr(bwd_ops, "launch", spy)
     cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path=long_path,
@@ -291,6 +291,43 @@ def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
         assert seen[name] == {(8, 2)}, name
 
 
+def test_short_kernel_takes_its_register_cap_and_nothing_else_does(monkeypatch):
+    """backward.max_registers reaches the short kernel's launch as Triton's maxnreg, per BLOCK_D (0: no
+    cap), and no other kernel's; the interpreter ignores the cap, so the weights match the uncapped run.
+    Whether ptxas honours it is tests/test_aot.py's."""
+    from torchrec_triton_tbe.config import KnobTable, load_named
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    seen = {}
+    real = bwd_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
+        seen.setdefault(kernel.__name__, set()).add((constexprs.get("BLOCK_D"), maxnreg))
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
+
+    base = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3)
+    specs = [(40, 64), (30, 16)]
+    batch = skewed_batch([r for r, _ in specs], [0, 1], B=5, max_L=6, generator=torch.Generator().manual_seed(6),
+                         hot_fraction=0.5)
+    weights = []
+    for cfg in (base, base.replace_backward(max_registers=KnobTable(0, ((64, 96),)))):
+        seen.clear()
+        monkeypatch.setattr(bwd_ops, "launch", spy)
+        ours, _ = make_pair(specs, [0, 1], oracle="reference", kernel_config=cfg,
+                            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+        out = ours(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+        weights.append([w.clone() for w in ours.split_embedding_weights()])
+        capped = {name for name, uses in seen.items() if any(cap is not None for _, cap in uses)}
+        if cfg is base:
+            assert not capped and "_backward_short_kernel" in seen
+    assert capped == {"_backward_short_kernel"}
+    assert seen["_backward_short_kernel"] == {(64, 96), (16, None)}
+    assert any(n.startswith("_backward_long") for n in seen)
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("weights,expected", [(SparseType.FP32, 2), (SparseType.FP16, 4)])
 def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weights, expected):
     """backward.tile_fp32 sets the short kernel's runs per tile for fp32 weights only (fp32 rows are
@@ -301,10 +338,10 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
     tiles = []
     real = bwd_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
         if kernel is bwd_ops._backward_short_kernel:
             tiles.append(constexprs["TILE"])
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
 
     monkeypatch.setattr(bwd_ops, "launch", spy)
     base = load_named("interpreter")
@@ -358,9 +395,9 @@ def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch
         asked.append(num_launches)
         return fake[: min(cfg.bucket_streams, num_launches)]
 
-    def spy(kernel, bcfg, device, args, constexprs, num_warps, stream=None):
+    def spy(kernel, bcfg, device, args, constexprs, num_warps, stream=None, maxnreg=None):
         placed.append((kernel, stream))
-        return real(kernel, bcfg, device, args, constexprs, num_warps)
+        return real(kernel, bcfg, device, args, constexprs, num_warps, maxnreg=maxnreg)
 
     monkeypatch.setattr(bwd_ops, "bucket_streams", streams)
     monkeypatch.setattr(bwd_ops, "join_streams", lambda streams, device: None)

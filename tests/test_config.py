@@ -50,6 +50,9 @@ def test_knob_table_lookup():
         (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
         (("backward", "long_tile", {"default": 4, 128: 3}), "backward.long_tile values must be powers of two"),
         (("backward", "long_warps", 0), "backward.long_warps values must be powers of two"),
+        (("backward", "max_registers", {"default": 0, 128: 100}), "backward.max_registers values must be 0"),
+        (("backward", "max_registers", 256), "backward.max_registers values must be 0"),
+        (("backward", "max_registers", 16), "backward.max_registers values must be 0"),
         (("transpose", "lookups_per_step", 12), "transpose.lookups_per_step must be a power of two"),
         (("forward", "bucket_streams", 0), "forward.bucket_streams must be >= 1"),
         (("forward", "short_bag_max_lanes", 6), "forward.short_bag_max_lanes must be 0 .off. or a power of two"),
@@ -134,6 +137,18 @@ def test_long_path_knobs_fall_back_to_the_short_kernels(tmp_path):
     # One table for every weight width: the partials kernel reads fp32 gradients, never weights.
     assert bwd.long_knobs(128, 2) == bwd.long_knobs(128, 4) == (16, 4)
     assert bwd.long_knobs(64, 4) == (2, 1)
+
+
+def test_short_kernel_register_cap_by_block_d(tmp_path):
+    # No table, or 0 at a width: no cap (Triton's maxnreg left out of the launch).
+    bwd = load_named("interpreter").backward
+    assert bwd.max_registers is None and bwd.short_maxnreg(128) is None
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    doc["backward"]["max_registers"] = {"default": 0, 128: 96, 256: 128}
+    path = tmp_path / "regs.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    bwd = load_named(str(path)).backward
+    assert (bwd.short_maxnreg(64), bwd.short_maxnreg(128), bwd.short_maxnreg(256)) == (None, 96, 128)
 
 
 def test_bags_per_program_by_block_d(tmp_path):

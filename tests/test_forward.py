@@ -394,9 +394,9 @@ def test_forward_launch_keys_equal_the_arguments_key(monkeypatch, kernel_config)
     seen = []
     real = fwd_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
         seen.append((key, arg_key(args)))
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream)
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
 
     monkeypatch.setattr(fwd_ops, "launch", spy)
     cfg = with_lanes(2) if kernel_config == "per_bucket" else grouped(2)

@@ -128,6 +128,7 @@ def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkey
         lambda a, b, n, cx, w: (a, b, 2**40, cx, w),  # 64-bit
         lambda a, b, n, cx, w: (a, b, n, dict(BLOCK=128), w),  # constexpr
         lambda a, b, n, cx, w: (a, b, n, cx, 4),  # num_warps
+        lambda a, b, n, cx, w: (a, b, n, cx, (w, 96)),  # a register cap
     ],
 )
 def test_any_specialization_change_recompiles(fake_gpu, change):
@@ -136,8 +137,27 @@ def test_any_specialization_change_recompiles(fake_gpu, change):
     launch_mod.launch(kernel, (1,), base[:3], base[3], base[4])
     a, b, n, cx, w = change(*base)
     kernel.calls.clear()
-    launch_mod.launch(kernel, (1,), (a, b, n), cx, w)
+    w, maxnreg = w if isinstance(w, tuple) else (w, None)
+    launch_mod.launch(kernel, (1,), (a, b, n), cx, w, maxnreg=maxnreg)
     assert [c[0] for c in kernel.calls] == ["jit"]
+
+
+def test_register_cap_reaches_triton_only_when_set(fake_gpu):
+    # Left out when None: Triton then compiles (and caches) exactly what it did before the knob.
+    kernel = _FakeKernel()
+    args = (torch.zeros(8), torch.zeros(8, dtype=torch.int32), 32)
+    launch_mod.launch(kernel, (1,), args, dict(BLOCK=64), 2)
+    launch_mod.launch(kernel, (1,), args, dict(BLOCK=64), 2, maxnreg=96)
+    assert [c[3] for c in kernel.calls if c[0] == "jit"] == [dict(BLOCK=64, num_warps=2),
+                                                             dict(BLOCK=64, num_warps=2, maxnreg=96)]
+    pending = []
+    launch_mod._PENDING = pending
+    try:
+        launch_mod.launch(kernel, (1,), args, dict(BLOCK=64), 2, maxnreg=96)
+    finally:
+        launch_mod._PENDING = None
+    assert pending[0].options == {"num_warps": 2, "maxnreg": 96}
+    assert pending[0].site(0) != launch_mod.Launch(kernel, (1,), args, dict(BLOCK=64), 2).site(0)
 
 
 def test_interpreter_always_goes_through_the_jit(monkeypatch):

@@ -39,9 +39,9 @@ def _real_launches(m, indices, offsets, psw=None, vbe=None) -> list:
     seen = []
     original = launch_ops.launch
 
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None):
-        seen.append(launch_ops.Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
-        return original(kernel, grid, args, constexprs, num_warps, key, stream)
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
+        seen.append(launch_ops.Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, maxnreg))
+        return original(kernel, grid, args, constexprs, num_warps, key, stream, maxnreg)
 
     modules = [mod for mod in _launch_users()]
     for mod in modules:
@@ -522,7 +522,7 @@ errors = P.compile_in_workers([j for j in jobs if j is not None], 2)
 hits = []
 with P._count_compiles(hits):
     for r in chosen:  # the load phase without _init_handles (that loads onto a GPU)
-        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, num_warps=r.num_warps)
+        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, **r.options)
 # A job carries the parent's source hash of its kernel, and the worker compiles under it (Triton 3.6
 # hashes a kernel differently depending on which callees a process hashed first).
 import hashlib, os
@@ -574,7 +574,7 @@ if sys.argv[1] == "precompile":
     hashes = {j["name"]: j["cache_key"] for j in jobs}
 else:  # a plain step: each kernel hashed as the JIT first binds it, in launch order
     for r in chosen:
-        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, num_warps=r.num_warps)
+        r.kernel.warmup(*r.args, grid=r.grid, **r.constexprs, **r.options)
     hashes = {r.kernel.fn.__name__: r.kernel.cache_key for r in chosen}
 print(json.dumps(hashes))
 """

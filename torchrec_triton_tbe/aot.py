@@ -9,7 +9,7 @@ transpose hoist, and two table layouts whose widths cover every BLOCK_D from 4 t
 without padding; then sequence (NONE) modules of each width, variable batches (VBE), and every other
 optimizer variant (``optimizer_variants``) with each weights dtype; plus a forward on bags as long as the widest gather knob — while
 ``JITFunction.run`` is replaced by a recorder. Each launch yields one specialization: kernel,
-argument types, constexpr values and num_warps (what Triton compiles on).
+argument types, constexpr values, num_warps and maxnreg (what Triton compiles on).
 
 What is compiled: by default a covering set — every kernel (the forward's bag-lanes body counted as a
 kernel of its own) with every value of every argument type, constexpr and num_warps at least once
@@ -58,12 +58,14 @@ def _arg_type(value: Any) -> str:
 
 
 def specialization(fn, args, kwargs) -> tuple:
-    """(signature, constexprs, divisible argument indices, num_warps) of ``fn(*args, **kwargs)`` as the
-    JIT specializes it: ints equal to 1 become constants, 16-aligned pointers and ints divisible by 16
-    carry tt.divisibility (the compiler vectorises on it); parameters the kernel marks
-    ``do_not_specialize`` get neither (Triton 3.6 and 3.8)."""
+    """(signature, constexprs, divisible argument indices, num_warps, maxnreg) of ``fn(*args, **kwargs)``
+    as the JIT specializes it: ints equal to 1 become constants, 16-aligned pointers and ints divisible
+    by 16 carry tt.divisibility (the compiler vectorises on it); parameters the kernel marks
+    ``do_not_specialize`` get neither (Triton 3.6 and 3.8). maxnreg: None unless the launch capped
+    registers."""
     kwargs = dict(kwargs)
     num_warps = kwargs.pop("num_warps", 4)
+    maxnreg = kwargs.pop("maxnreg", None)
     params = list(fn.params)
     bound = dict(zip([p.name for p in params], args))
     bound.update(kwargs)
@@ -80,16 +82,16 @@ def specialization(fn, args, kwargs) -> tuple:
                 divisible.append(i)
             elif not plain and isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0:
                 divisible.append(i)
-    return signature, constexprs, tuple(divisible), num_warps
+    return signature, constexprs, tuple(divisible), num_warps, maxnreg
 
 
-def lower(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int):
+def lower(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int, maxnreg=None):
     """One specialization of ``fn`` compiled for sm_``target`` with ``triton.compile`` (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    job = _job(fn, signature, constexprs, divisible, num_warps, target)
+    job = _job(fn, signature, constexprs, divisible, num_warps, target, maxnreg)
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=job["attrs"]),
                           target=GPUTarget(*job["target"]), options=job["options"])
 
@@ -98,11 +100,13 @@ def _cuda_target(target: int) -> tuple:
     return ("cuda", target, 32)  # GPUTarget's fields: backend, compute capability, warp size
 
 
-def _job(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int) -> dict:
+def _job(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int, maxnreg=None) -> dict:
     # What ``lower`` hands triton.compile, as ops/precompile.py's compile workers take it.
+    from torchrec_triton_tbe.ops.launch import launch_options
+
     return dict(module=fn.fn.__module__, name=fn.fn.__name__, signature=signature, constexprs=constexprs,
                 attrs={(i,): [["tt.divisibility", 16]] for i in divisible}, target=_cuda_target(target),
-                options={"num_warps": num_warps})
+                options=launch_options(num_warps, maxnreg))
 
 
 def cubin_compiler(target: int):
@@ -110,8 +114,8 @@ def cubin_compiler(target: int):
     cubin (``lower``)."""
 
     def compile_one(recorded):
-        spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
-        return lower(recorded.kernel, *spec, target)
+        *spec, maxnreg = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, **recorded.options})
+        return lower(recorded.kernel, *spec, target, maxnreg)
 
     return compile_one
 
@@ -122,10 +126,10 @@ def cubin_job(target: int):
     cache hit)."""
 
     def job_of(recorded):
-        spec = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, "num_warps": recorded.num_warps})
+        *spec, maxnreg = specialization(recorded.kernel, recorded.args, {**recorded.constexprs, **recorded.options})
         # The kernel's source hash as this process has it, as ops/precompile._jit_job's jobs carry it
         # (Triton 3.6 hashes a kernel by the order its callees were first hashed in a process).
-        return dict(_job(recorded.kernel, *spec, target), cache_key=recorded.kernel.cache_key)
+        return dict(_job(recorded.kernel, *spec, target, maxnreg), cache_key=recorded.kernel.cache_key)
 
     job_of.target = _cuda_target(target)  # what precompile's workers warm up for
     return job_of
@@ -133,16 +137,17 @@ def cubin_job(target: int):
 
 @contextmanager
 def recording() -> Iterator[dict]:
-    """Replace kernel launches by a record of (kernel, signature, constexprs, num_warps)."""
+    """Replace kernel launches by a record of (kernel, signature, constexprs, divisible, num_warps, maxnreg)."""
     from triton.runtime.jit import JITFunction
 
     seen: dict = {}
     original = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        signature, constexprs, divisible, num_warps = specialization(self, args, kwargs)
-        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), divisible, num_warps)
-        seen.setdefault(key, (self, signature, constexprs, divisible, num_warps))
+        signature, constexprs, divisible, num_warps, maxnreg = specialization(self, args, kwargs)
+        key = (self.fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())), divisible, num_warps,
+               maxnreg)
+        seen.setdefault(key, (self, signature, constexprs, divisible, num_warps, maxnreg))
 
     JITFunction.run = record
     previous = _env.RECORD_LAUNCHES
@@ -307,10 +312,10 @@ def covering_set(seen: dict) -> list:
     """Specializations such that every (kernel path, axis, value) recorded appears at least once."""
     chosen, covered = [], set()
     for key, spec in sorted(seen.items(), key=lambda kv: repr(kv[0])):
-        name, sig, consts, _divisible, warps = key
+        name, sig, consts, _divisible, warps, maxnreg = key
         name = _code_path(name, consts)
         items = {(name, "sig", a, t) for a, t in sig} | {(name, "const", a, repr(v)) for a, v in consts}
-        items.add((name, "num_warps", warps))
+        items |= {(name, "num_warps", warps), (name, "maxnreg", maxnreg)}
         if not items <= covered:
             chosen.append(spec)
             covered |= items
@@ -319,10 +324,10 @@ def covering_set(seen: dict) -> list:
 
 def compile_all(specs: list, targets: list[int]) -> list[dict]:
     results = []
-    for fn, signature, constexprs, divisible, num_warps in specs:
+    for fn, signature, constexprs, divisible, num_warps, maxnreg in specs:
         for cc in targets:
             t0 = time.time()
-            compiled = lower(fn, signature, constexprs, divisible, num_warps, cc)
+            compiled = lower(fn, signature, constexprs, divisible, num_warps, cc, maxnreg)
             ptx = compiled.asm["ptx"]
             results.append(
                 {
@@ -331,6 +336,7 @@ def compile_all(specs: list, targets: list[int]) -> list[dict]:
                     "constexprs": {k: v if isinstance(v, (int, bool)) else repr(v) for k, v in constexprs.items()},
                     "signature": {k: v for k, v in signature.items() if v != "constexpr"},
                     "num_warps": num_warps,
+                    "maxnreg": maxnreg,
                     "cubin_bytes": len(compiled.asm["cubin"]),
                     "atomics_in_ptx": ptx.count("atom.global") + ptx.count("red.global"),
                     # Registers, stack frame, local memory (a stack or local memory: spilled registers).
@@ -355,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump_specs:
         dumped = []
         for cc in [int(x) for x in args.targets.split(",")]:
-            for fn, sig, consts, divisible, warps in covering_set(drive_module(kernel_config=f"sm{cc}")):
+            for fn, sig, consts, divisible, warps, maxnreg in covering_set(drive_module(kernel_config=f"sm{cc}")):
                 dumped.append({"target": cc, "module": fn.fn.__module__, "kernel": fn.fn.__name__, "signature": sig,
-                               "constexprs": consts, "divisible": list(divisible), "num_warps": warps})
+                               "constexprs": consts, "divisible": list(divisible), "num_warps": warps,
+                               "maxnreg": maxnreg})
         with open(args.dump_specs, "w") as fh:
             json.dump(dumped, fh)
         print(f"aot: wrote {len(dumped)} specializations to {args.dump_specs}")

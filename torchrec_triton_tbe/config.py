@@ -212,11 +212,22 @@ class BackwardConfig:
     # gradient rows and no weights, so one table serves every weight precision.
     long_tile: Optional[KnobTable] = None
     long_warps: Optional[KnobTable] = None
+    # The short kernel's cap on registers per thread (Triton's maxnreg), by BLOCK_D; 0 or None: the
+    # compiler's choice. A cap below what ptxas wants spills to local memory, and buys resident warps:
+    # the short kernel ran at 15 % occupancy with 147 registers at BLOCK_D 128 on dlrm_t26_l1 (Nsight
+    # Compute, docs/performance.md; prod_t40_b16k's mixed-width bucket compiles to 168 from a CPU), and
+    # the persistent grid follows the compiled occupancy (`waves`).
+    max_registers: Optional[KnobTable] = None
 
     def long_knobs(self, block_d: int, row_bytes: int) -> tuple[int, int]:
         """(tile, num_warps) of the long path's kernels at this BLOCK_D (before tile_warps' cap)."""
         tile = self.long_tile.get(block_d) if self.long_tile is not None else self.tiles(block_d, row_bytes)
         return tile, (self.long_warps or self.num_warps).get(block_d)
+
+    def short_maxnreg(self, block_d: int) -> Optional[int]:
+        """The short kernel's register cap at this BLOCK_D (None: none)."""
+        cap = self.max_registers.get(block_d) if self.max_registers is not None else 0
+        return cap or None
 
     def tiles(self, block_d: int, row_bytes: int) -> int:
         """The tile for rows of ``row_bytes`` per element: weights plus the element-wise optimizer
@@ -418,6 +429,8 @@ class KernelConfig:
                 split_heaviest_max_lookups=int(b.get("split_heaviest_max_lookups", 0)),
                 long_tile=KnobTable.parse(b["long_tile"], "backward.long_tile") if "long_tile" in b else None,
                 long_warps=KnobTable.parse(b["long_warps"], "backward.long_warps") if "long_warps" in b else None,
+                max_registers=(KnobTable.parse(b["max_registers"], "backward.max_registers")
+                               if "max_registers" in b else None),
             ),
             source=source,
             small_table=_small_table(d.get("small_table") or {}, source or str(d["target"])),
@@ -517,6 +530,12 @@ class KernelConfig:
                             f"{st.backward}")
         if self.backward.long_path not in LONG_PATHS:
             problems.append(f"backward.long_path must be one of {LONG_PATHS}, got {self.backward.long_path!r}")
+        regs = self.backward.max_registers or KnobTable(0)
+        for v in [regs.default] + [v for _, v in regs.by_block_d]:
+            # ptxas allocates a thread's registers in multiples of 8, at most 255 (sm_70 on).
+            if v != 0 and not (32 <= v <= 255 and v % 8 == 0):
+                problems.append(f"backward.max_registers values must be 0 (no cap) or a multiple of 8 in [32, 248], "
+                                f"got {v}")
         if problems:
             raise ValueError(f"invalid kernel config {self.source or self.target}: " + "; ".join(problems))
 

@@ -58,7 +58,7 @@ _WAVE_GRID: dict = {}
 
 def _launch_persistent(
     kernel, bcfg: BackwardConfig, device: torch.device, args: tuple, constexprs: dict, num_warps: int,
-    stream: Optional[torch.cuda.Stream] = None,
+    stream: Optional[torch.cuda.Stream] = None, maxnreg: Optional[int] = None,
 ) -> None:
     """Launch a persistent kernel whose last positional argument is its program count NPROG.
 
@@ -68,10 +68,10 @@ def _launch_persistent(
     `waves` full waves from its actual occupancy; the first launch uses the configured grid. Which
     program takes which tile or chunk never changes a result, only the speed."""
     key = arg_key(args)
-    site = (id(kernel), device, bcfg.waves, num_warps, tuple(constexprs.items()), key)
+    site = (id(kernel), device, bcfg.waves, num_warps, maxnreg, tuple(constexprs.items()), key)
     nprog = (_WAVE_GRID.get(site) if bcfg.waves > 0 else None) or bcfg.grid_programs(device)
     compiled = launch(kernel, (nprog,), (*args, nprog), constexprs, num_warps, key=key + arg_key((nprog,)),
-                      stream=stream)
+                      stream=stream, maxnreg=maxnreg)
     if bcfg.waves > 0 and site not in _WAVE_GRID and device.type == "cuda" and getattr(compiled, "n_regs", 0):
         props = torch.cuda.get_device_properties(device)
         per_sm = resident_programs(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, props)
@@ -277,6 +277,7 @@ def fused_update(
             dict(**modes, **update, **common, **gathers),
             warps,
             stream,
+            maxnreg=bcfg.short_maxnreg(bd),
         )
         if fused_long:
             _launch_persistent(

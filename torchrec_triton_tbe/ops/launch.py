@@ -12,7 +12,7 @@ needed) and caches what it returns.
 The key is at least as fine as Triton's specialization, so a hit never reuses a kernel compiled
 under other assumptions: per tensor its dtype and whether its address is 16-byte aligned; per int
 whether it is 1, whether it divides by 16 and whether it fits 32 bits (bools and floats by type);
-the constexprs and num_warps as given; the current device. Under Triton's interpreter (no GPU)
+the constexprs, num_warps and maxnreg as given; the current device. Under Triton's interpreter (no GPU)
 ``kernel[grid]`` returns no compiled kernel and every call takes the normal path.
 """
 
@@ -35,8 +35,8 @@ _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 # Fixed at import, like Triton's own choice between compiled and interpreted kernels (_env).
 _INTERPRETED = _env.interpreting()
 
-# (id(kernel), device, num_warps, constexprs, argument key) -> (compiled kernel, constexpr values in
-# signature order after the positional arguments)
+# (id(kernel), device, num_warps, maxnreg, constexprs, argument key) -> (compiled kernel, constexpr
+# values in signature order after the positional arguments)
 _COMPILED: dict = {}
 
 
@@ -54,10 +54,23 @@ class Launch:
     args: tuple
     constexprs: dict
     num_warps: int
+    maxnreg: Optional[int] = None
+
+    @property
+    def options(self) -> dict:
+        """The launch options Triton compiles on, as ``kernel[grid](..., **options)`` takes them."""
+        return launch_options(self.num_warps, self.maxnreg)
 
     def site(self, device) -> tuple:
         """``launch``'s cache key for this launch on ``device``."""
-        return (id(self.kernel), device, self.num_warps, tuple(self.constexprs.items()), arg_key(self.args))
+        return (id(self.kernel), device, self.num_warps, self.maxnreg, tuple(self.constexprs.items()),
+                arg_key(self.args))
+
+
+def launch_options(num_warps: int, maxnreg: Optional[int] = None) -> dict:
+    """``num_warps``, and ``maxnreg`` (a cap on registers per thread that ptxas may spill to meet) only
+    when set: left out, Triton compiles exactly what it did before the knob existed."""
+    return {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
 
 
 def remember(recorded: Launch, device, compiled) -> None:
@@ -170,13 +183,14 @@ def arg_key(args: Sequence[Any]) -> tuple:
     return tuple(key)
 
 
-def _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream):
+def _bind_and_launch(kernel, grid, args, constexprs, num_warps, maxnreg, stream):
     """Triton's own path (binds, compiles if needed, launches on the current stream): ``stream`` made
     current for this call only."""
+    options = launch_options(num_warps, maxnreg)
     if stream is None:
-        return kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return kernel[grid](*args, **constexprs, **options)
     with torch.cuda.stream(stream):
-        return kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return kernel[grid](*args, **constexprs, **options)
 
 
 def launch(
@@ -187,27 +201,29 @@ def launch(
     num_warps: int,
     key: Optional[tuple] = None,
     stream: Optional[torch.cuda.Stream] = None,
+    maxnreg: Optional[int] = None,
 ):
-    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``; returns the compiled kernel (None
-    under the interpreter). ``args`` are the leading positional parameters, ``constexprs`` every
-    parameter after them; ``key``: ``arg_key(args)`` when the caller has it already; ``stream``: the
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps[, maxnreg=maxnreg])``; returns the compiled
+    kernel (None under the interpreter). ``args`` are the leading positional parameters, ``constexprs``
+    every parameter after them; ``key``: ``arg_key(args)`` when the caller has it already; ``stream``: the
     CUDA stream to launch on (None: the current one), without making it current (entering
-    ``torch.cuda.stream`` and leaving it again costs more host time than the launch itself)."""
+    ``torch.cuda.stream`` and leaving it again costs more host time than the launch itself); ``maxnreg``:
+    Triton's cap on registers per thread (None: the compiler's choice)."""
     if _PENDING is not None:
-        _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
+        _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, maxnreg))
         return None
     if _INTERPRETED or _env.RECORD_LAUNCHES:
-        return _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream)
+        return _bind_and_launch(kernel, grid, args, constexprs, num_warps, maxnreg, stream)
     cx = tuple(constexprs.items())
     if key is None:
         key = arg_key(args)
     device = driver.active.get_current_device()
     # id(): the kernels are module globals (they outlive the cache); hashing a JITFunction goes through
     # its source hash under a lock.
-    site = (id(kernel), device, num_warps, cx, key)
+    site = (id(kernel), device, num_warps, maxnreg, cx, key)
     hit = _COMPILED.get(site)
     if hit is None:
-        compiled = _bind_and_launch(kernel, grid, args, constexprs, num_warps, stream)
+        compiled = _bind_and_launch(kernel, grid, args, constexprs, num_warps, maxnreg, stream)
         # Not kept for a stream of another device: Triton compiled and loaded it there (the stream's
         # context), and a hit would launch it from this device's.
         if (hasattr(compiled, "packed_metadata") and getattr(compiled, "function", None) is not None

@@ -136,7 +136,7 @@ def _warmup(index: int) -> Callable:
     def compile_one(recorded: launch_ops.Launch):
         torch.cuda.set_device(index)  # CUDA's current device is per thread
         compiled = recorded.kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs,
-                                          num_warps=recorded.num_warps)
+                                          **recorded.options)
         # warmup stops at the cubin; the first launch would still load it and build the kernel's C
         # launcher (a C compiler run per signature, on an empty cache): do both here, in the pool.
         init = getattr(compiled, "_init_handles", None)
@@ -364,7 +364,7 @@ def _jit_job(recorded: launch_ops.Launch) -> Optional[dict]:
     own = kernel.__dict__["compile"]
     kernel.compile = intercept
     try:
-        kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs, num_warps=recorded.num_warps)
+        kernel.warmup(*recorded.args, grid=recorded.grid, **recorded.constexprs, **recorded.options)
     except _Intercepted:
         pass
     finally:
