@@ -5,6 +5,11 @@ the GPU image's Triton (3.6) from a CPU machine whose main environment has anoth
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     TRITON_INTERPRET=0 .venv/bin/python -m torchrec_triton_tbe.aot --dump-specs /tmp/specs.json
     /tmp/t36/bin/python tools/compile_specs.py /tmp/specs.json [--resources [--json out.json]]
+        [--only KERNEL[,KERNEL...]] [--maxnreg N]
+
+(tools/first_step.py --dump-specs writes one suite shape's step in the same format.) --only: those
+kernels' specializations alone; --maxnreg: compile them with that cap on registers per thread instead
+of the one recorded (configs' backward.max_registers; 0: none), to see from a CPU what a cap spills.
 
 --resources: each compiled cubin's registers per thread, stack frame and local memory, read with the
 cuobjdump that Triton's wheel carries (no GPU needed; torchrec_triton_tbe/_resources.py). A non-zero
@@ -35,7 +40,8 @@ def report(rows: list[dict]) -> str:
     spilled = [r for r in rows if spills(r["usage"])]
     for r in spilled:
         u = r["usage"]
-        lines.append(f"SPILL sm_{r['target']} {r['kernel']} {r['key']} warps={r['num_warps']}: "
+        cap = f" maxnreg={r['maxnreg']}" if r.get("maxnreg") else ""
+        lines.append(f"SPILL sm_{r['target']} {r['kernel']} {r['key']} warps={r['num_warps']}{cap}: "
                      f"{u['registers']} registers, stack {u['stack']} B, local {u['local']} B")
     per_kernel: dict[str, list[dict]] = {}
     for r in rows:
@@ -65,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("specs")
     p.add_argument("--resources", action="store_true", help="registers, stack and local memory per cubin")
     p.add_argument("--json", default=None, help="with --resources: every specialization's usage")
+    p.add_argument("--only", default=None, help="comma-separated kernel names")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap for every specialization (0: none)")
     args = p.parse_args(argv)
     _register_package()
     import triton
@@ -74,6 +82,10 @@ def main(argv=None) -> int:
     from torchrec_triton_tbe._resources import cubin_usage
 
     specs = json.load(open(args.specs))
+    if args.only:
+        specs = [sp for sp in specs if sp["kernel"] in set(args.only.split(","))]
+    if args.maxnreg is not None:
+        specs = [dict(sp, maxnreg=args.maxnreg or None) for sp in specs]
     failures, rows = 0, []
     for sp in specs:
         fn = getattr(importlib.import_module(sp["module"]), sp["kernel"])
@@ -82,7 +94,7 @@ def main(argv=None) -> int:
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=sp["signature"], constexprs=sp["constexprs"], attrs=attrs),
                 target=GPUTarget("cuda", sp["target"], 32),
-                options={"num_warps": sp["num_warps"]},
+                options={"num_warps": sp["num_warps"], **({"maxnreg": sp["maxnreg"]} if sp.get("maxnreg") else {})},
             )
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failures += 1
@@ -91,6 +103,7 @@ def main(argv=None) -> int:
             continue
         if args.resources:
             rows.append({"kernel": sp["kernel"], "target": sp["target"], "num_warps": sp["num_warps"],
+                         "maxnreg": sp.get("maxnreg"),
                          "key": {k: sp["constexprs"][k] for k in _KEY_CONSTEXPRS if k in sp["constexprs"]},
                          "usage": cubin_usage(compiled.asm["cubin"])})
     print(f"triton {triton.__version__}: {len(specs) - failures}/{len(specs)} specializations compiled")

@@ -11,6 +11,8 @@ launches recorded, as torchrec_triton_tbe.aot does, and the specializations are 
         (TritonTBE.precompile's worker processes on this CPU: with and without their warm-up and job order)
     TRITON_INTERPRET=0 python tools/first_step.py --first-job-probe 3 ...
         (a compile worker's first job, cold and warmed up)
+    TRITON_INTERPRET=0 python tools/first_step.py --shape dlrm_t26_l1 --rows-scale 0.001 --dump-specs F
+        (the step's specializations, nothing compiled: tools/compile_specs.py's input, e.g. for registers)
 
 Each compile runs against an empty Triton cache (a fresh TRITON_CACHE_DIR per pass), so the times are
 what a first step pays for compilation alone; loading the cubins and the step's own work come on top.
@@ -79,8 +81,8 @@ def _record(shape: str, suite: str, optimizer: str, rows_scale: float, target: i
         out.backward(torch.ones_like(out))
     host_s = time.time() - t0
     specs = [{"module": fn.fn.__module__, "kernel": fn.fn.__name__, "signature": sig, "constexprs": consts,
-              "divisible": list(divisible), "num_warps": warps, "target": target}
-             for fn, sig, consts, divisible, warps in seen.values()]
+              "divisible": list(divisible), "num_warps": warps, "maxnreg": maxnreg, "target": target}
+             for fn, sig, consts, divisible, warps, maxnreg in seen.values()]
     facts = {"shape": shape, "tables": case.num_tables, "batch_size": case.batch_size, "lookups": int(indices.numel()),
              "distinct_dims": sorted(set(dims)), "rows_scale": rows_scale, "optimizer": optimizer,
              "weights_precision": case.weights_precision, "recorded_host_seconds": round(host_s, 2)}
@@ -95,7 +97,8 @@ def _compile(spec: dict) -> tuple[str, float]:
 
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     t0 = time.time()
-    lower(fn, spec["signature"], spec["constexprs"], spec["divisible"], spec["num_warps"], spec["target"])
+    lower(fn, spec["signature"], spec["constexprs"], spec["divisible"], spec["num_warps"], spec["target"],
+          spec.get("maxnreg"))
     return spec["kernel"], time.time() - t0
 
 
@@ -238,7 +241,7 @@ def _first_job_probe(specs: list[dict], target: int, reps: int, wait: float) -> 
 
     s = specs[0]
     job = _job(getattr(importlib.import_module(s["module"]), s["kernel"]), s["signature"], s["constexprs"],
-               s["divisible"], s["num_warps"], target)
+               s["divisible"], s["num_warps"], target, s.get("maxnreg"))
     seconds: dict = {"cold": [], "warm": []}
     for _ in range(reps):
         for kind, warm_up in (("cold", None), ("warm", ("cuda", target, 32))):
@@ -280,6 +283,8 @@ def main(argv=None) -> int:
                          "and in the config's compile order (precompile.compile_first), after a warm-up compile")
     ap.add_argument("--first-job-probe", type=int, default=0, metavar="REPS",
                     help="instead: time a compile worker's first job, cold and warmed up, REPS times each")
+    ap.add_argument("--dump-specs", default=None, metavar="FILE",
+                    help="instead: write the step's specializations (tools/compile_specs.py's format) and stop")
     args = ap.parse_args(argv)
     if args.precompile_cpu:
         os.environ["TRITON_INTERPRET"] = "0"
@@ -301,6 +306,11 @@ def main(argv=None) -> int:
         return 2
     os.environ["TRITON_INTERPRET"] = "0"
     specs, facts = _record(args.shape, args.suite, args.optimizer, args.rows_scale, args.target)
+    if args.dump_specs:
+        with open(args.dump_specs, "w") as fh:
+            json.dump(specs, fh)
+        print(f"first_step: wrote {len(specs)} specializations of {args.shape}'s step to {args.dump_specs}")
+        return 0
     if args.first_job_probe:
         result = {"step": facts, **_first_job_probe(specs, args.target, args.first_job_probe, wait=2.0)}
         print(json.dumps(result))
