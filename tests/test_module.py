@@ -42,6 +42,8 @@ def test_forward_signature_is_fbgemms():
         (dict(weights_precision=SparseType.INT8), "weights_precision"),
         (dict(output_dtype=SparseType.INT8), "output_dtype"),
         (dict(enable_raw_embedding_streaming=True), "enable_raw_embedding_streaming"),
+        # FBGEMM would read and update the caller's buffers; silently using our own would lose both.
+        (dict(preallocated_host_buffers={"weights_host": torch.full((40,), 0.5)}), "preallocated_host_buffers"),
     ],
 )
 def test_result_changing_unsupported_keywords_raise(kwargs, name):
@@ -109,6 +111,68 @@ def test_learning_rate_and_hyper_parameters_reach_the_kernels():
     assert_close(ours.split_optimizer_states()[0][0], ref.momentum[0], "state", atol=1e-7, rtol=1e-6)
     with pytest.raises(NotImplementedError, match="momentum"):
         ours.update_hyper_parameters({"momentum": 0.1})  # FBGEMM takes lr, eps, beta1/2, weight_decay, lower_bound
+
+
+@pytest.mark.parametrize(
+    "optimizer,changes",
+    [
+        (EmbOptimType.EXACT_SGD, [{"lr": 0.0}, {"lr": 0.3}, {"lr": 0.3}]),
+        (EmbOptimType.EXACT_ROWWISE_ADAGRAD, [{"lr": 0.05}, {"eps": 10.0}, {"lr": 0.2, "eps": 0.01}]),
+        (EmbOptimType.EXACT_ADAGRAD, [{"eps": 2.0}, {"lr": 0.0}, {}]),
+    ],
+    ids=lambda x: getattr(x, "name", None),
+)
+def test_a_backward_applies_the_hyper_parameters_of_its_forward(optimizer, changes):
+    """FBGEMM's forward clones its learning rate and takes eps etc. as arguments, so a change made
+    between a forward and its backward (TorchRec's fused optimizer pushes a scheduler's rate in
+    zero_grad(), which many loops call after the forward) applies from the next forward on. Oracle:
+    FBGEMM's CPU TBE over three steps, each changed between forward and backward; the getters report
+    the latest values throughout."""
+    ours, fb = make_pair([(8, 4), (6, 8)], oracle="fbgemm", optimizer=optimizer, learning_rate=0.1, eps=0.5)
+    g = torch.Generator().manual_seed(3)
+    for step, change in enumerate(changes):
+        indices, offsets = torch.tensor([1, 1, 5, 2, 0]), torch.tensor([0, 2, 3, 4, 5])
+        grad = torch.randn(2, 12, generator=g)
+        for m in (ours, fb):
+            out = m(indices, offsets)
+            m.update_hyper_parameters(change)
+            out.backward(grad)
+        assert ours.get_learning_rate() == pytest.approx(fb.get_learning_rate())
+        for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+            assert_close(a, b, f"{optimizer.name} step {step} after {change}", atol=1e-6, rtol=1e-5)
+
+
+def test_two_forwards_around_a_change_each_apply_their_own_rate():
+    """Two forwards, the rate changed between them, one backward through both (autograd runs the
+    second's first): each applies its own forward's rate, as FBGEMM's clones do; a third forward runs
+    under the new rate."""
+    ours, fb = make_pair([(8, 4)], oracle="fbgemm", optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.5)
+    ids1, off1 = torch.tensor([1, 2]), torch.tensor([0, 1, 2])
+    ids2, off2 = torch.tensor([2, 3]), torch.tensor([0, 2, 2])
+    for m in (ours, fb):
+        first = m(ids1, off1)
+        m.set_learning_rate(0.05)
+        second = m(ids2, off2)
+        (first.sum() + 2 * second.sum()).backward()
+        m(ids1, off1).sum().backward()
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        assert_close(a, b, "two forwards around an lr change", atol=1e-6, rtol=1e-6)
+    assert float(ours.learning_rate_tensor) == pytest.approx(0.05)
+
+
+def test_the_learning_rate_is_not_checkpointed():
+    """As FBGEMM, whose learning_rate_tensor is a plain attribute: a state dict holds weights, state and
+    step, and loading one keeps the module's rate, which get_learning_rate reports and the kernels apply.
+    A state dict written while it was saved (this module before 2026-12-04) still loads."""
+    a = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01)
+    assert "learning_rate_tensor" not in a.state_dict()
+    b = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_SGD, learning_rate=1.0)
+    legacy = {**a.state_dict(), "learning_rate_tensor": torch.tensor([0.01])}
+    b.load_state_dict(legacy)
+    before = b.split_embedding_weights()[0][1].clone()
+    b(torch.tensor([1]), torch.tensor([0, 1, 1])).sum().backward()
+    assert b.get_learning_rate() == 1.0
+    assert torch.allclose(before - b.split_embedding_weights()[0][1], torch.ones(4))
 
 
 def test_optimizer_step_counter():

@@ -89,6 +89,26 @@ def test_learning_rate_changes_reach_the_kernel():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("optimizer", [ADAGRAD, SGD], ids=lambda o: o.name)
+def test_a_scheduler_stepped_between_forward_and_backward_trains_like_fused(optimizer):
+    """The loop `loss = model(batch); opt.zero_grad(); loss.backward(); opt.step(); sched.step()`: TorchRec's
+    fused optimizer pushes the scheduled rate into the kernels in zero_grad(), between the forward and its
+    backward. FBGEMM applies the rate the forward ran under (autograd.HyperVersion); so does the plugin."""
+    fused, ours = _pair(optimizer)
+    scheds = [torch.optim.lr_scheduler.StepLR(dmp.fused_optimizer, step_size=1, gamma=0.5) for dmp in (fused, ours)]
+    losses = [[], []]
+    for step in range(3):
+        for i, dmp in enumerate((fused, ours)):
+            loss = pc.loss_fn(dmp(pc.batch(pc.TABLES, step)), step)
+            dmp.fused_optimizer.zero_grad()
+            loss.backward()
+            dmp.fused_optimizer.step()
+            scheds[i].step()
+            losses[i].append(loss.item())
+    pc.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), "losses, zero_grad after the forward")
+    pc.assert_same_state(ours, fused, "StepLR, zero_grad after the forward")
+
+
 @pytest.mark.parametrize(
     "plan_dtype, kjt_dtype, expected",
     [(torch.int32, torch.int32, torch.int32), (torch.int32, torch.int64, torch.int32),

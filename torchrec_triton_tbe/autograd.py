@@ -8,8 +8,9 @@ gradient; the per-sample-weight gradient is returned when they require one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -37,6 +38,43 @@ class LookupCall:
     check_finite: bool = False
 
 
+class HyperVersion:
+    """The learning rate and hyper-parameters a module's forwards ran under, until they change.
+
+    FBGEMM's forward clones its learning-rate tensor and takes eps, betas and weight decay as arguments,
+    so a backward applies the values in effect at its forward even when they change in between; and
+    they do in a common loop: TorchRec's fused optimizer pushes a scheduler's new rate in ``zero_grad()``,
+    which many loops call after the forward. Here the kernels, and captured backwards, read the module's
+    two device buffers in place (no copy per call). A change supersedes the module's current version
+    and leaves it copies of the values its forwards saw (``saved``); the backward of such a forward puts
+    them back in the buffers for its own launches (``forward_hyper_parameters``)."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self) -> None:
+        self.saved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (lr, hyper) once superseded
+
+
+@contextlib.contextmanager
+def forward_hyper_parameters(version: HyperVersion, state: bwd_ops.OptimizerTensors) -> Iterator[None]:
+    """The backward's launches inside see the learning rate and hyper-parameters of its forward (see
+    HyperVersion); the current ones are back afterwards. Device copies in stream order, no sync: every
+    launch inside is ordered after the first two copies and before the last two (side streams join the
+    current one before the backward returns)."""
+    if version.saved is None:  # nothing changed since the forward: the buffers hold its values
+        yield
+        return
+    lr, hyper = version.saved
+    current = (state.learning_rate.clone(), state.hyper.clone())
+    state.learning_rate.copy_(lr)
+    state.hyper.copy_(hyper)
+    try:
+        yield
+    finally:
+        state.learning_rate.copy_(current[0])
+        state.hyper.copy_(current[1])
+
+
 class TBEFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -49,10 +87,12 @@ class TBEFunction(torch.autograd.Function):
         vbe_output: Optional[torch.Tensor],
         call: LookupCall,
         vbe: Optional[VBELayout],
+        hyper: HyperVersion,
     ) -> torch.Tensor:
         """``vbe`` (variable batch): ``offsets`` are its padded ones and call.B its padded batch; with
         ``vbe_output`` (TorchRec's merged output of several kernels) the result is written into it in
-        place and it is returned."""
+        place and it is returned. ``hyper``: the module's current HyperVersion, whose values the
+        backward applies."""
         spec = call.spec
         if spec.nobag:
             out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B)
@@ -66,6 +106,7 @@ class TBEFunction(torch.autograd.Function):
         # of the backward's communication), carried to backward on ctx.
         ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B, vbe) if spec.hoist_transpose else None
         ctx.call = call
+        ctx.hyper = hyper
         ctx.vbe = vbe
         ctx.merged = vbe_output is not None
         ctx.save_for_backward(indices, offsets, per_sample_weights, feature_requires_grad)
@@ -73,6 +114,11 @@ class TBEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with forward_hyper_parameters(ctx.hyper, ctx.call.state):
+            return TBEFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
@@ -111,7 +157,7 @@ class TBEFunction(torch.autograd.Function):
                 call.on_runs(runs)
         # Merged VBE: the gradient of the caller's buffer passes through to whatever wrote it before
         # (TorchRec's other kernels read only their own positions of it).
-        return None, None, None, grad_psw, None, passthrough if ctx.merged else None, None, None
+        return None, None, None, grad_psw, None, passthrough if ctx.merged else None, None, None, None
 
 
 table_batched_embedding_bag = TBEFunction.apply

@@ -50,6 +50,9 @@ OPTIMIZER_KEYWORDS = (
 UNSUPPORTED = {
     # Streams updated rows to a remote store: a side effect this module does not have.
     "enable_raw_embedding_streaming": False,
+    # FBGEMM keeps host-placed tables' weights and optimizer state in the caller's tensors: its forward
+    # reads them and its update writes them. Every table lives in this module's own device buffers.
+    "preallocated_host_buffers": None,
 }
 
 # Accepted and ignored (see the module docstring): nothing they control exists here or they configure
@@ -58,7 +61,7 @@ IGNORED = (
     "cache_algorithm cache_load_factor cache_sets cache_reserved_memory enforce_hbm record_cache_metrics "
     "gather_uvm_cache_stats uvm_non_rowwise_momentum use_experimental_tbe prefetch_pipeline "
     "stats_reporter_config multipass_prefetch_config uvm_host_mapped tbe_input_multiplexer_config "
-    "embedding_shard_info preallocated_host_buffers is_qr_tbe res_params ensemble_mode emainplace_mode "
+    "embedding_shard_info is_qr_tbe res_params ensemble_mode emainplace_mode "
     "ar_alpha ema_beta min_shrinkage"
 ).split()
 

@@ -26,7 +26,7 @@ from torchrec_triton_tbe._fbgemm import (
     WeightDecayMode,
 )
 from torchrec_triton_tbe import compat
-from torchrec_triton_tbe.autograd import LookupCall, TBEFunction
+from torchrec_triton_tbe.autograd import HyperVersion, LookupCall, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import vbe as vbe_ops
@@ -205,12 +205,16 @@ class TritonTBE(nn.Module):
             self.register_buffer(name, torch.zeros(size, dtype=dtype, device=dev))
         self._lr = float(learning_rate)
         # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate and
-        # update_hyper_parameters.
-        self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev))
+        # update_hyper_parameters. Not saved, as FBGEMM's plain attribute is not: a checkpoint restores
+        # weights, state and step, and the constructor's (or the optimizer's) rate applies.
+        self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev),
+                             persistent=False)
         self.register_buffer(
             "optimizer_hyper", torch.tensor([hyper[n] for n in HYPER_FIELDS], dtype=torch.float32, device=dev),
             persistent=False,
         )
+        self._hyper_host = {n: float(hyper[n]) for n in _UPDATABLE}  # what optimizer_hyper holds
+        self._hyper_version = HyperVersion()
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
         # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
@@ -339,7 +343,7 @@ class TritonTBE(nn.Module):
         call = self._lookup_call(spec, B, bufs)
         return TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
-            None if vbe is None else vbe.output, call, vbe,
+            None if vbe is None else vbe.output, call, vbe, self._hyper_version,
         )
 
     def precompile(self, indices: torch.Tensor, offsets: torch.Tensor,
@@ -498,25 +502,45 @@ class TritonTBE(nn.Module):
                 return buffer
         raise ValueError(f"Optimizer buffer {state} not found")
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the learning rate stopped being saved hold it: ignored, as FBGEMM
+        # (which never saves it) would not have it to restore.
+        state_dict.pop(prefix + "learning_rate_tensor", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def get_learning_rate(self) -> float:
         return self._lr
 
     def set_learning_rate(self, lr: float) -> None:
-        self._lr = float(lr)
-        self.learning_rate_tensor.fill_(self._lr)
+        """As in FBGEMM, the backward of a forward that ran before this call still applies the rate
+        that forward ran under (autograd.HyperVersion)."""
+        if float(lr) != self._lr:
+            self._supersede_hyper_parameters()
+            self._lr = float(lr)
+            self.learning_rate_tensor.fill_(self._lr)
 
     def update_hyper_parameters(self, params_dict: dict[str, float]) -> None:
-        """FBGEMM's keys: ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``lower_bound``."""
+        """FBGEMM's keys: ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``lower_bound``. Like
+        ``set_learning_rate``, they apply to the backwards of later forwards. An unknown key raises
+        before anything changes."""
+        for name in params_dict:
+            if name not in ("lr", "lower_bound", *_UPDATABLE):
+                raise NotImplementedError(f"Setting hyper-parameter {name} is not supported")
         for name, value in params_dict.items():
             if name == "lr":
                 self.set_learning_rate(value)
-            elif name in _UPDATABLE:
-                # A device fill, no host sync; the next backward (eager or replayed) reads it.
+            elif name in _UPDATABLE and float(value) != self._hyper_host[name]:
+                self._supersede_hyper_parameters()
+                self._hyper_host[name] = float(value)
+                # A device fill, no host sync; the backwards of later forwards (eager or replayed) read it.
                 self.optimizer_hyper[HYPER_FIELDS.index(name)].fill_(float(value))
-            elif name == "lower_bound":
-                pass
-            else:
-                raise NotImplementedError(f"Setting hyper-parameter {name} is not supported")
+            # lower_bound: nothing to set (see _UPDATABLE)
+
+    def _supersede_hyper_parameters(self) -> None:
+        """Before the learning rate or a hyper-parameter changes: the forwards run so far keep their
+        values for their backwards (two small device copies), later forwards get a new version."""
+        self._hyper_version.saved = (self.learning_rate_tensor.clone(), self.optimizer_hyper.clone())
+        self._hyper_version = HyperVersion()
 
     def set_optimizer_step(self, step: int) -> None:
         """The step count; the next update is step + 1 (Adam / LAMB bias correction), as in FBGEMM."""
