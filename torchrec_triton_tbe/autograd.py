@@ -42,12 +42,10 @@ class HyperVersion:
     """The learning rate and hyper-parameters a module's forwards ran under, until they change.
 
     FBGEMM's forward clones its learning-rate tensor and takes eps, betas and weight decay as arguments,
-    so a backward applies the values in effect at its forward even when they change in between; and
-    they do in a common loop: TorchRec's fused optimizer pushes a scheduler's new rate in ``zero_grad()``,
-    which many loops call after the forward. Here the kernels, and captured backwards, read the module's
-    two device buffers in place (no copy per call). A change supersedes the module's current version
-    and leaves it copies of the values its forwards saw (``saved``); the backward of such a forward puts
-    them back in the buffers for its own launches (``forward_hyper_parameters``)."""
+    so a backward applies the values in effect at its forward even when they change in between (as
+    TorchRec's fused optimizer does in ``zero_grad()``, which many loops call after the forward). The
+    module keeps no copy per forward: a change supersedes its current version and leaves it copies of
+    the values its forwards saw (``saved``), which their backwards apply (``TBEFunction.backward``)."""
 
     __slots__ = ("saved",)
 
@@ -56,18 +54,13 @@ class HyperVersion:
 
 
 @contextlib.contextmanager
-def forward_hyper_parameters(version: HyperVersion, state: bwd_ops.OptimizerTensors) -> Iterator[None]:
-    """The backward's launches inside see the learning rate and hyper-parameters of its forward (see
-    HyperVersion); the current ones are back afterwards. Device copies in stream order, no sync: every
-    launch inside is ordered after the first two copies and before the last two (side streams join the
-    current one before the backward returns)."""
-    if version.saved is None:  # nothing changed since the forward: the buffers hold its values
-        yield
-        return
-    lr, hyper = version.saved
+def swapped_in(saved: tuple[torch.Tensor, torch.Tensor], state: bwd_ops.OptimizerTensors) -> Iterator[None]:
+    """A captured backward reads the module's lr and hyper-parameter buffers where it was captured: the
+    forward's values go into them for its replay and the current ones come back after, in stream order
+    on the backward's stream, with no sync."""
     current = (state.learning_rate.clone(), state.hyper.clone())
-    state.learning_rate.copy_(lr)
-    state.hyper.copy_(hyper)
+    state.learning_rate.copy_(saved[0])
+    state.hyper.copy_(saved[1])
     try:
         yield
     finally:
@@ -114,14 +107,14 @@ class TBEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        with forward_hyper_parameters(ctx.hyper, ctx.call.state):
-            return TBEFunction._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out: torch.Tensor):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
+        # The forward's learning rate and hyper-parameters (HyperVersion): eager launches take its copies
+        # as arguments (the module's buffers are not written, whatever stream this backward runs on).
+        saved = ctx.hyper.saved
+        if saved is not None:
+            state = dataclasses.replace(state, learning_rate=saved[0], hyper=saved[1])
         if call.check_finite:
             bounds_ops.check_finite("grad_output", grad_out)
         passthrough = grad_out  # merged VBE: the other kernels' gradient, unclipped
@@ -148,9 +141,10 @@ class TBEFunction(torch.autograd.Function):
         ):
             # Same device work as below, replayed from a CUDA graph (ops/graphs.py: launch-bound batches).
             def body(i, o, g, w):
-                bwd_ops.backward_step(spec, state, None, i, o, g, w, B)
+                bwd_ops.backward_step(spec, call.state, None, i, o, g, w, B)
 
-            call.graphs.run(spec, state, indices, offsets, grad_out, per_sample_weights, B, body)
+            with swapped_in(saved, call.state) if saved is not None else contextlib.nullcontext():
+                call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, B, body)
         else:
             runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B, vbe)
             if call.on_runs is not None:

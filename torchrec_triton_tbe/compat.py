@@ -51,7 +51,8 @@ UNSUPPORTED = {
     # Streams updated rows to a remote store: a side effect this module does not have.
     "enable_raw_embedding_streaming": False,
     # FBGEMM keeps host-placed tables' weights and optimizer state in the caller's tensors: its forward
-    # reads them and its update writes them. Every table lives in this module's own device buffers.
+    # reads them and its update writes them. Every table lives in this module's own device buffers, so
+    # any value but None is refused (an empty dict too: nothing here could honour what it might hold).
     "preallocated_host_buffers": None,
 }
 

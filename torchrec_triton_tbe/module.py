@@ -512,35 +512,32 @@ class TritonTBE(nn.Module):
         return self._lr
 
     def set_learning_rate(self, lr: float) -> None:
-        """As in FBGEMM, the backward of a forward that ran before this call still applies the rate
-        that forward ran under (autograd.HyperVersion)."""
-        if float(lr) != self._lr:
-            self._supersede_hyper_parameters()
-            self._lr = float(lr)
-            self.learning_rate_tensor.fill_(self._lr)
+        self.update_hyper_parameters({"lr": lr})
 
     def update_hyper_parameters(self, params_dict: dict[str, float]) -> None:
-        """FBGEMM's keys: ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``lower_bound``. Like
-        ``set_learning_rate``, they apply to the backwards of later forwards. An unknown key raises
-        before anything changes."""
-        for name in params_dict:
+        """FBGEMM's keys: ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``lower_bound``. As in
+        FBGEMM, they apply to the backwards of later forwards: a forward already run keeps its values for
+        its backward (autograd.HyperVersion). An unknown key raises before anything changes."""
+        changed = {}
+        for name, value in params_dict.items():
             if name not in ("lr", "lower_bound", *_UPDATABLE):
                 raise NotImplementedError(f"Setting hyper-parameter {name} is not supported")
-        for name, value in params_dict.items():
-            if name == "lr":
-                self.set_learning_rate(value)
-            elif name in _UPDATABLE and float(value) != self._hyper_host[name]:
-                self._supersede_hyper_parameters()
-                self._hyper_host[name] = float(value)
-                # A device fill, no host sync; the backwards of later forwards (eager or replayed) read it.
-                self.optimizer_hyper[HYPER_FIELDS.index(name)].fill_(float(value))
-            # lower_bound: nothing to set (see _UPDATABLE)
-
-    def _supersede_hyper_parameters(self) -> None:
-        """Before the learning rate or a hyper-parameter changes: the forwards run so far keep their
-        values for their backwards (two small device copies), later forwards get a new version."""
+            current = self._lr if name == "lr" else self._hyper_host.get(name)  # lower_bound: nothing to set
+            if current is not None and float(value) != current:
+                changed[name] = float(value)
+        if not changed:
+            return
+        # The forwards run so far keep the old values for their backwards: two small device copies.
         self._hyper_version.saved = (self.learning_rate_tensor.clone(), self.optimizer_hyper.clone())
         self._hyper_version = HyperVersion()
+        for name, value in changed.items():
+            # Device fills, no host sync; eager and replayed backwards read the buffers.
+            if name == "lr":
+                self._lr = value
+                self.learning_rate_tensor.fill_(value)
+            else:
+                self._hyper_host[name] = value
+                self.optimizer_hyper[HYPER_FIELDS.index(name)].fill_(value)
 
     def set_optimizer_step(self, step: int) -> None:
         """The step count; the next update is step + 1 (Adam / LAMB bias correction), as in FBGEMM."""

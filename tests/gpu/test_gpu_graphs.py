@@ -37,6 +37,10 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
         for m in (graphed, eager):
             w = psw.detach().clone().requires_grad_(True) if weighted else None
             out = m(idx, off, w)
+            if step in (4, 8):
+                # Changed between the forward and its backward: the replay (step 8) and the eager first
+                # call of its key (step 4) apply the forward's rate, as the eager module does.
+                m.set_learning_rate(0.02 if step == 4 else 0.005)
             out.backward(torch.randn(out.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step)))
             grads.append(w.grad if weighted else None)
         if weighted:
@@ -57,6 +61,7 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
     assert torch.equal(graphed.momentum1, eager.momentum1)
     assert torch.equal(graphed.momentum2, eager.momentum2)
     assert torch.equal(graphed.iter, eager.iter)
+    assert float(graphed.learning_rate_tensor) == float(eager.learning_rate_tensor) == pytest.approx(0.005)
 
 
 def test_capture_and_replay_do_not_sync():
