@@ -248,6 +248,21 @@ def test_dry_run_of_sequence_and_variable_batch_steps():
     _recorded_equals_real(vbe, indices, offsets, vbe=sizes)
 
 
+def test_dry_run_records_the_register_cap():
+    """backward.max_registers: the dry run records the capped short-kernel launches exactly as the real
+    step makes them (same launch keys), so a precompiled cubin is the one the step's launch finds."""
+    from torchrec_triton_tbe.config import KnobTable, load_named
+
+    cfg = load_named("interpreter").replace_backward(max_registers=KnobTable(0, ((128, 96),)))  # SPECS' widest
+    m = _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, kernel_config=cfg)
+    batch = _batch()
+    _recorded_equals_real(m, batch.indices, batch.offsets)
+    recorded = record_step(m, batch.indices, batch.offsets)
+    caps = {r.maxnreg for r in recorded if r.kernel.__name__ == "_backward_short_kernel"}
+    assert caps == {96, None}  # the narrower tables' buckets keep the compiler's choice
+    assert all(r.maxnreg is None for r in recorded if r.kernel.__name__ != "_backward_short_kernel")
+
+
 _SMALL_STEP = r"""
 import json
 from torchrec_triton_tbe import _env
