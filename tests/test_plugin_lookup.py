@@ -50,6 +50,10 @@ def test_state_dict_parameters_and_optimizer_look_like_fused():
     assert kernel.emb_module.split_embedding_weights()[k][3, 2] == 123.0
     names = dict(ours.named_parameters())
     assert all(hasattr(names[n], "_in_backward_optimizers") for n in names if "embedding_bags" in n)
+    # requires_grad as with fused (whose slices view FBGEMM's weights_dev Parameter): code that picks
+    # parameters by the flag sees the same ones.
+    flags = {n: p.requires_grad for n, p in fused.named_parameters()}
+    assert {n: p.requires_grad for n, p in ours.named_parameters()} == flags and any(flags.values())
 
 
 def test_sgd_has_no_optimizer_state_like_fused():

@@ -105,7 +105,7 @@ class _TritonTBEKernel(FusedOptimizerModule):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[Tuple[str, nn.Parameter]]:
         for name, tensor in self.named_split_embedding_weights(prefix, recurse, remove_duplicate):
-            param = nn.Parameter(tensor, requires_grad=False)
+            param = nn.Parameter(tensor)  # requires_grad, as TorchRec's fused kernel yields them
             # Marks the weight as optimized in backward, so dense optimizers skip it.
             param._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
             yield name, param
@@ -125,6 +125,10 @@ class _TritonTBEKernel(FusedOptimizerModule):
         counts: Dict[str, int] = dict(self.table_name_to_count)
         weights_by_table = module.split_embedding_weights()
         states = module.get_optimizer_state()
+        # The slices' requires_grad follows their data's: True with TorchRec's fused kernel, whose flat
+        # weights are FBGEMM's weights_dev Parameter. An alias of the module's flat buffer (same storage:
+        # the kernels' in-place updates show through) gives ours the same flag.
+        flat = nn.Parameter(module.weights)
         for k, table in enumerate(self._config.embedding_tables):
             count = counts.pop(table.name, None)
             if count is None:
@@ -132,7 +136,7 @@ class _TritonTBEKernel(FusedOptimizerModule):
             rows, dim = plan.rows[k], plan.dims[k]
             start = plan.weights_offsets[k]
             weight = TableBatchedEmbeddingSlice(
-                data=module.weights,
+                data=flat,
                 start_offset=start,
                 end_offset=start + count * rows * dim,
                 num_embeddings=-1,
