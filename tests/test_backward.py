@@ -257,22 +257,30 @@ def test_persistent_grid_fills_whole_waves(monkeypatch):
     ]
 
 
+def _record_update_launches(monkeypatch) -> list:
+    """Every launch ops/backward.py makes from now on, as launch_ops.Launch records (they still run)."""
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    seen = []
+    real = bwd_ops.launch
+
+    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
+        seen.append(launch_ops.Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, maxnreg))
+        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
+
+    monkeypatch.setattr(bwd_ops, "launch", spy)
+    return seen
+
+
 @pytest.mark.parametrize("long_path", ["split", "fused"])
 def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
     """backward.long_tile / long_warps reach the long path's kernels (partials and apply, or the fused
     one) and leave the short kernel on backward.tile / num_warps. Tables of width 64, so the warps differ
     after tile_warps' cap (8 x 64 elements hold two warps, 4 x 64 one)."""
     from torchrec_triton_tbe.config import KnobTable, load_named, tile_warps
-    from torchrec_triton_tbe.ops import backward as bwd_ops
 
-    seen = {}
-    real = bwd_ops.launch
-
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
-        seen.setdefault(kernel.__name__, set()).add((constexprs.get("TILE"), num_warps))
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
-
-    monkeypatch.setattr(bwd_ops, "launch", spy)
+    launches = _record_update_launches(monkeypatch)
     cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path=long_path,
                                                       tile=KnobTable(4), num_warps=KnobTable(1),
                                                       long_tile=KnobTable(8), long_warps=KnobTable(2))
@@ -283,6 +291,9 @@ def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
                          hot_fraction=0.5)
     out = ours(batch.indices, batch.offsets)
     out.backward(torch.ones_like(out))
+    seen = {}
+    for r in launches:
+        seen.setdefault(r.kernel.__name__, set()).add((r.constexprs.get("TILE"), r.num_warps))
     assert tile_warps(2, 8 * 64) == 2 and tile_warps(1, 4 * 64) == 1
     assert seen["_backward_short_kernel"] == {(4, 1)}
     longs = (["_backward_long_partials_kernel", "_backward_long_apply_kernel"] if long_path == "split"
@@ -296,28 +307,23 @@ def test_short_kernel_takes_its_register_cap_and_nothing_else_does(monkeypatch):
     cap), and no other kernel's; the interpreter ignores the cap, so the weights match the uncapped run.
     Whether ptxas honours it is tests/test_aot.py's."""
     from torchrec_triton_tbe.config import KnobTable, load_named
-    from torchrec_triton_tbe.ops import backward as bwd_ops
 
-    seen = {}
-    real = bwd_ops.launch
-
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
-        seen.setdefault(kernel.__name__, set()).add((constexprs.get("BLOCK_D"), maxnreg))
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
-
+    launches = _record_update_launches(monkeypatch)
     base = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3)
     specs = [(40, 64), (30, 16)]
     batch = skewed_batch([r for r, _ in specs], [0, 1], B=5, max_L=6, generator=torch.Generator().manual_seed(6),
                          hot_fraction=0.5)
     weights = []
     for cfg in (base, base.replace_backward(max_registers=KnobTable(0, ((64, 96),)))):
-        seen.clear()
-        monkeypatch.setattr(bwd_ops, "launch", spy)
+        launches.clear()
         ours, _ = make_pair(specs, [0, 1], oracle="reference", kernel_config=cfg,
                             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
         out = ours(batch.indices, batch.offsets)
         out.backward(torch.ones_like(out))
         weights.append([w.clone() for w in ours.split_embedding_weights()])
+        seen = {}
+        for r in launches:
+            seen.setdefault(r.kernel.__name__, set()).add((r.constexprs.get("BLOCK_D"), r.maxnreg))
         capped = {name for name, uses in seen.items() if any(cap is not None for _, cap in uses)}
         if cfg is base:
             assert not capped and "_backward_short_kernel" in seen
@@ -335,15 +341,7 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
     from torchrec_triton_tbe.config import KnobTable, load_named
     from torchrec_triton_tbe.ops import backward as bwd_ops
 
-    tiles = []
-    real = bwd_ops.launch
-
-    def spy(kernel, grid, args, constexprs, num_warps, key=None, stream=None, maxnreg=None):
-        if kernel is bwd_ops._backward_short_kernel:
-            tiles.append(constexprs["TILE"])
-        return real(kernel, grid, args, constexprs, num_warps, key=key, stream=stream, maxnreg=maxnreg)
-
-    monkeypatch.setattr(bwd_ops, "launch", spy)
+    launches = _record_update_launches(monkeypatch)
     base = load_named("interpreter")
     states = []
     for cfg in (base, base.replace_backward(tile_fp32=KnobTable(2))):
@@ -353,6 +351,7 @@ def test_fp32_weights_take_their_own_tile_and_the_same_result(monkeypatch, weigh
         out = ours(batch.indices, batch.offsets)
         out.backward(torch.ones_like(out))
         states.append([w.clone() for w in ours.split_embedding_weights()] + [ours.momentum1.clone()])
+    tiles = [r.constexprs["TILE"] for r in launches if r.kernel is bwd_ops._backward_short_kernel]
     assert set(tiles[: len(tiles) // 2]) == {base.backward.tile.default} and set(tiles[len(tiles) // 2:]) == {expected}
     for a, b in zip(*states):
         assert torch.equal(a, b)

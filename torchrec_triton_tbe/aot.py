@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from torchrec_triton_tbe import _env, _resources
+from torchrec_triton_tbe.ops.launch import launch_options
 
 _TORCH_TO_TRITON = {
     torch.float32: "fp32",
@@ -102,8 +103,6 @@ def _cuda_target(target: int) -> tuple:
 
 def _job(fn, signature: dict, constexprs: dict, divisible, num_warps: int, target: int, maxnreg=None) -> dict:
     # What ``lower`` hands triton.compile, as ops/precompile.py's compile workers take it.
-    from torchrec_triton_tbe.ops.launch import launch_options
-
     return dict(module=fn.fn.__module__, name=fn.fn.__name__, signature=signature, constexprs=constexprs,
                 attrs={(i,): [["tt.divisibility", 16]] for i in divisible}, target=_cuda_target(target),
                 options=launch_options(num_warps, maxnreg))

@@ -203,17 +203,18 @@ class TritonTBE(nn.Module):
             size = 0 if state is None else (plan.total_rows if state.rowwise else plan.total_weight_elements)
             dtype = torch.float32 if state is None else state.dtype
             self.register_buffer(name, torch.zeros(size, dtype=dtype, device=dev))
-        self._lr = float(learning_rate)
+        # What learning_rate_tensor and optimizer_hyper hold, by FBGEMM's update_hyper_parameters keys: the
+        # host's view, so an update that changes nothing costs no device work.
+        self._hyper_host = {"lr": float(learning_rate), **{n: float(hyper[n]) for n in _UPDATABLE}}
         # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate and
         # update_hyper_parameters. Not saved, as FBGEMM's plain attribute is not: a checkpoint restores
         # weights, state and step, and the constructor's (or the optimizer's) rate applies.
-        self.register_buffer("learning_rate_tensor", torch.full((1,), self._lr, dtype=torch.float32, device=dev),
-                             persistent=False)
+        self.register_buffer("learning_rate_tensor", torch.full((1,), float(learning_rate), dtype=torch.float32,
+                                                                device=dev), persistent=False)
         self.register_buffer(
             "optimizer_hyper", torch.tensor([hyper[n] for n in HYPER_FIELDS], dtype=torch.float32, device=dev),
             persistent=False,
         )
-        self._hyper_host = {n: float(hyper[n]) for n in _UPDATABLE}  # what optimizer_hyper holds
         self._hyper_version = HyperVersion()
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
@@ -509,7 +510,7 @@ class TritonTBE(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_learning_rate(self) -> float:
-        return self._lr
+        return self._hyper_host["lr"]
 
     def set_learning_rate(self, lr: float) -> None:
         self.update_hyper_parameters({"lr": lr})
@@ -522,7 +523,7 @@ class TritonTBE(nn.Module):
         for name, value in params_dict.items():
             if name not in ("lr", "lower_bound", *_UPDATABLE):
                 raise NotImplementedError(f"Setting hyper-parameter {name} is not supported")
-            current = self._lr if name == "lr" else self._hyper_host.get(name)  # lower_bound: nothing to set
+            current = self._hyper_host.get(name)  # lower_bound: nothing to set
             if current is not None and float(value) != current:
                 changed[name] = float(value)
         if not changed:
@@ -532,12 +533,9 @@ class TritonTBE(nn.Module):
         self._hyper_version = HyperVersion()
         for name, value in changed.items():
             # Device fills, no host sync; eager and replayed backwards read the buffers.
-            if name == "lr":
-                self._lr = value
-                self.learning_rate_tensor.fill_(value)
-            else:
-                self._hyper_host[name] = value
-                self.optimizer_hyper[HYPER_FIELDS.index(name)].fill_(value)
+            self._hyper_host[name] = value
+            target = self.learning_rate_tensor if name == "lr" else self.optimizer_hyper[HYPER_FIELDS.index(name)]
+            target.fill_(value)
 
     def set_optimizer_step(self, step: int) -> None:
         """The step count; the next update is step + 1 (Adam / LAMB bias correction), as in FBGEMM."""
