@@ -18,7 +18,14 @@ import torch
 import torchrec_triton_tbe  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
 from torchrec_triton_tbe.bench import cli, peers
 from torchrec_triton_tbe.bench.batches import generate_requests, generator_stats, make_workload, run_lengths
-from torchrec_triton_tbe.bench.case import BenchCase, build_parser, explicit_options, load_suite, resolve_optimizers
+from torchrec_triton_tbe.bench.case import (
+    BenchCase,
+    build_parser,
+    check_fbgemm_only_options,
+    explicit_options,
+    load_suite,
+    resolve_optimizers,
+)
 from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes
 from torchrec_triton_tbe.bench.runner import RunOptions
 from torchrec_triton_tbe.bench.timing import time_steps
@@ -42,11 +49,8 @@ def test_defaults_mirror_fbgemm_benchmark_options():
 
     ours = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
     ours_args = build_parser().parse_args([])
-    not_ours = {"cache_precision", "managed", "tables"}  # caching / UVM / trace files: not in TritonTBE
     checked = 0
     for param in device.params:
-        if param.name in not_ours:
-            continue
         if param.name == "row_wise":  # FBGEMM: --row-wise (default) = EXACT_ROWWISE_ADAGRAD
             assert param.default is True and ours_args.optimizers == ("exact_rowwise_adagrad",)
             assert "--row-wise" in ours and "--no-row-wise" in ours["--row-wise"].option_strings
@@ -55,7 +59,7 @@ def test_defaults_mirror_fbgemm_benchmark_options():
         default = getattr(param.default, "value", param.default)  # SparseType.FP32 -> "fp32"
         assert getattr(ours_args, param.name) == default, param.name
         checked += 1
-    assert checked == 16
+    assert checked == 19  # managed, cache_precision and tables too: accepted at FBGEMM's default only
     # The `device` command's own options (FBGEMM source): output fp32, indices 64, num-requests -1.
     assert (ours_args.output_dtype, ours_args.indices_dtype, ours_args.num_requests) == ("fp32", 64, -1)
     assert BenchCase().requests_count == 100  # -1 means one batch per iteration, as FBGEMM
@@ -85,6 +89,42 @@ def test_option_handling():
         BenchCase(num_tables=3, batch_size_list=(4, 4))
     with pytest.raises(ValueError, match="embedding_dim_list"):
         BenchCase(num_tables=2, embedding_dim_list=(8, 8, 8))
+    # Lists of the wrong length are named, not an IndexError of the per-table checks after them.
+    with pytest.raises(ValueError, match="alpha_list has 1 entries for 32 tables"):
+        BenchCase(bag_size_list=(2,) * 32, alpha_list=(1.2,))
+    # FBGEMM's rules and spellings: D a multiple of 4, pooling in any case, BoundsCheckMode 0-6.
+    with pytest.raises(ValueError, match="multiple of 4"):
+        BenchCase(embedding_dim=6)
+    assert build_parser().parse_args(["--pooling", "SUM"]).pooling == "sum"
+    assert BenchCase(bounds_check_mode=5).bounds_check_mode == 5  # V2_WARNING
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--bounds-check-mode", "7"])
+
+
+def test_fbgemm_only_options_are_accepted_at_their_defaults_and_refused_otherwise():
+    """FBGEMM's `device` options for caches, UVM, SSD, the dense module, request files and traces: a
+    command line that leaves them at FBGEMM's defaults (or sets what FBGEMM reads only with a cache)
+    runs; one that asks for them is refused with the reason, as an error of the command line."""
+    def refused(argv):
+        return check_fbgemm_only_options(build_parser().parse_args(argv))
+
+    for argv in ([], ["--managed", "DEVICE"], ["--cache-load-factor", "0.5"], ["--cache-precision", "fp16"]):
+        assert refused(argv) is None, argv
+    for argv, why in ((["--managed", "managed_caching"], "device memory"), (["--ssd"], "SSD"),
+                      (["--export-trace"], "trace"), (["--requests_data_file", "r.pt"], "request files"),
+                      (["--dense"], "dense"), (["--weighted-num-requires-grad", "2"], "per-sample")):
+        assert why in refused(argv), argv
+    with pytest.raises(SystemExit):
+        cli.main(["--uvm-host-mapped"])
+
+
+def test_fbgemms_command_name_and_line(capsys):
+    """FBGEMM's command line starts with its command, `device`; the lines carry FBGEMM's `a:` (alpha)."""
+    argv = ["device", "--batch-size", "4", "--num-tables", "1", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "2", "--iters", "1", "--passes", "fwd", "--optimizer", "exact_sgd", "--alpha", "1.15"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Forward, B: 4, E: 20, T: 1, D: 8, L: 2, W: False, a: 1.15, BW:" in out, out
 
 
 def test_mixed_dims_follow_fbgemm():
@@ -119,6 +159,11 @@ def test_log_lines_in_fbgemm_format():
     # Exactly FBGEMM's f-strings ({: .2f} leaves a sign space; the Backward line has no W:).
     assert fwd == "Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: False, BW:  654.43 GB/s, T: 141us"
     assert bwd == "Backward, B: 512, E: 100000, T: 32, D: 128, L: 20, BW:  247.39 GB/s, T: 746us"
+    # With the alpha, as FBGEMM's lines since 1.x.
+    assert log_line("", False, 512, 100000, 32, 128, 20, False, 654.4304, 141.0, 1.0) == (
+        "Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: False, a: 1.0, BW:  654.43 GB/s, T: 141us")
+    assert log_line("", True, 512, 100000, 32, 128, 20, False, 247.3852, 746.0, 1.15) == (
+        "Backward, B: 512, E: 100000, T: 32, D: 128, L: 20, a: 1.15, BW:  247.39 GB/s, T: 746us")
     ours = parse_log_line(log_line("triton exact_sgd", True, 65536, 10**6, 24, 144.0, 20, True, 1234.5, 10850))
     assert ours == {"prefix": "triton exact_sgd", "pass": "Backward", "B": 65536, "E": 1000000, "T": 24,
                     "D": 144.0, "L": 20, "W": None, "alpha": None, "BW_GBps": 1234.5, "T_us": 10850}

@@ -2,7 +2,10 @@
 
 Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings_benchmark.py device``
 (``TbeBenchClickInterface.common_options / table_options / device_options`` plus the ``device``
-command's own options), so a command line written for FBGEMM's benchmark means the same here.
+command's own options), so a command line written for FBGEMM's benchmark means the same here (its
+command name, ``device``, may lead: cli.py drops it). FBGEMM's options for what TritonTBE does not have
+(``FBGEMM_ONLY_OPTIONS``: UVM / cache placement, SSD, the dense module, request files, traces) are accepted
+at FBGEMM's defaults and refused with the reason otherwise, rather than ignored.
 Per-table ``--num-embeddings-list``, ``--bag-size-list``, ``--alpha-list`` and ``--batch-size-list`` (a
 variable batch per feature) draw the batches table by table, as FBGEMM's ``device-with-spec`` and
 ``vbe`` commands. Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
@@ -31,6 +34,31 @@ PASSES = ("fwd", "bwd")
 POOLINGS = ("sum", "mean", "none")
 LIST_FIELDS = ("embedding_dim_list", "num_embeddings_list", "bag_size_list", "alpha_list", "batch_size_list")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# FBGEMM's BoundsCheckMode values: FATAL, WARNING, IGNORE, NONE, then V2_IGNORE, V2_WARNING, V2_FATAL (which
+# FBGEMM's TBE, and TritonTBE, run as the first three).
+BOUNDS_CHECK_MODES = range(7)
+# Options of FBGEMM's `device` command that configure what TritonTBE does not have (caches, UVM, SSD, the
+# dense module, request files, traces): accepted at FBGEMM's default, refused otherwise (runs with them
+# would not measure the same thing on both sides). name -> (default, why refused).
+FBGEMM_ONLY_OPTIONS = {
+    "managed": ("device", "every table lives in device memory here (no UVM or cache placement)"),
+    "cache_precision": (None, "no embedding cache here (any value: FBGEMM reads it only with a cache)"),
+    "cache_load_factor": (0.2, "no embedding cache here (any value: FBGEMM reads it only with a cache)"),
+    "uvm_host_mapped": (False, "no UVM here"),
+    "ssd": (False, "no SSD tables here"),
+    "ssd_prefix": ("/tmp/ssd_benchmark", "no SSD tables here"),
+    "dense": (False, "the dense (non-TBE) module is not part of this A/B"),
+    "tables": (None, "request files are not read here"),
+    "requests_data_file": (None, "request files are not read here"),
+    "indices_file": (None, "request files are not read here"),
+    "offsets_file": (None, "request files are not read here"),
+    "weighted_num_requires_grad": (None, "per-sample-weight gradients are not benchmarked here"),
+    "export_trace": (False, "trace export is not implemented here (tools/profile_kernels.py profiles kernels)"),
+    "trace_url": ("{tbe_type}_tbe_{phase}_trace_{ospid}.json", "trace export is not implemented here"),
+    "deterministic": (False, "not implemented here"),
+}
+# FBGEMM's benchmark commands: `device` is this one; the others take options this CLI does not mirror.
+FBGEMM_COMMAND = "device"
 # --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
 COMPARE_KERNELS = ("fbgemm", "torchrec_triton")
 
@@ -85,10 +113,17 @@ class BenchCase:
             problems.append("num_requests must be >= 1 (or -1 for iters)")
         if self.pooling not in POOLINGS:
             problems.append(f"pooling {self.pooling!r}: choose from {', '.join(POOLINGS)}")
+        lengths_ok = True
         for field in LIST_FIELDS:
             values = getattr(self, field)
             if values is not None and len(values) != self.num_tables:
                 problems.append(f"{field} has {len(values)} entries for {self.num_tables} tables")
+                lengths_ok = False
+        if self.embedding_dim % 4 and self.embedding_dim_list is None:
+            problems.append("embedding_dim must be a multiple of 4 (as FBGEMM requires)")
+        if self.bounds_check_mode not in BOUNDS_CHECK_MODES:
+            problems.append(f"bounds_check_mode {self.bounds_check_mode}: FBGEMM's BoundsCheckMode values are "
+                            f"{min(BOUNDS_CHECK_MODES)}-{max(BOUNDS_CHECK_MODES)}")
         for field in ("num_embeddings_list", "batch_size_list"):
             if any(v < 1 for v in getattr(self, field) or ()):
                 problems.append(f"{field} entries must be >= 1")
@@ -110,13 +145,9 @@ class BenchCase:
         if self.embedding_dim_list is not None:
             if self.mixed:
                 problems.append("mixed and embedding_dim_list exclude each other")
-            if len(self.embedding_dim_list) != self.num_tables:
-                problems.append(
-                    f"embedding_dim_list has {len(self.embedding_dim_list)} entries for {self.num_tables} tables"
-                )
             if any(d < 1 or d % 4 for d in self.embedding_dim_list):
                 problems.append("embedding_dim_list entries must be positive multiples of 4 (as FBGEMM requires)")
-        for t in range(self.num_tables):
+        for t in range(self.num_tables if lengths_ok else 0):
             E, L, alpha = self.num_embeddings_at(t), self.bag_size_at(t), self.alpha_at(t)
             if alpha > 1.0 and E < L:
                 problems.append(f"table {t}: Zipf ids need num_embeddings >= bag_size (FBGEMM's generator asserts it)")
@@ -245,15 +276,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FBGEMM compatibility: --row-wise = --optimizer exact_rowwise_adagrad (the default); "
                    "--no-row-wise = --optimizer exact_adagrad")
     g.add_argument("--weighted", action="store_true", default=default.weighted)
-    g.add_argument("--pooling", choices=POOLINGS, default=default.pooling,
+    g.add_argument("--pooling", type=str.lower, choices=POOLINGS, default=default.pooling,
                    help="none: sequence lookups (one output row per id; every table one D)")
-    g.add_argument("--bounds-check-mode", type=int, default=default.bounds_check_mode,
-                   help="FBGEMM's BoundsCheckMode: 0 FATAL, 1 WARNING, 2 IGNORE, 3 NONE (default)")
+    g.add_argument("--bounds-check-mode", type=int, choices=BOUNDS_CHECK_MODES, default=default.bounds_check_mode,
+                   metavar="{0..6}", help="FBGEMM's BoundsCheckMode: 0 FATAL, 1 WARNING, 2 IGNORE, 3 NONE (default); "
+                   "4-6 V2_IGNORE, V2_WARNING, V2_FATAL (run as IGNORE, WARNING, FATAL, as FBGEMM's TBE does)")
     g.add_argument("--output-dtype", choices=PRECISIONS, default=default.output_dtype)
     g.add_argument("--indices-dtype", type=int, choices=(32, 64), default=default.indices_dtype,
                    help="32 casts indices and offsets inside the timed call, as FBGEMM's benchmark does")
     g.add_argument("--num-requests", type=int, default=default.num_requests,
                    help="batches to generate and rotate through (-1: iters)")
+
+    f = p.add_argument_group("FBGEMM `device` options for what TritonTBE does not have: accepted at FBGEMM's "
+                             "default only")
+    for name, (value, why) in FBGEMM_ONLY_OPTIONS.items():
+        flag = "--" + (name if name == "requests_data_file" else name.replace("_", "-"))  # FBGEMM's spelling
+        if isinstance(value, bool):
+            f.add_argument(flag, action="store_true", help=why)
+        else:
+            f.add_argument(flag, default=value, help=f"{why} (FBGEMM's default: {value})")
 
     x = p.add_argument_group("A/B options")
     x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
@@ -286,6 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--hoist-transpose", action="store_true", help="TritonTBE hoist_transpose=True")
     x.add_argument("--verbose", action="store_true", help="keep FBGEMM's INFO logging")
     return p
+
+
+def check_fbgemm_only_options(args: argparse.Namespace) -> Optional[str]:
+    """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults, or options
+    FBGEMM itself reads only with a cache, which --managed refuses)."""
+    for name, (default, why) in FBGEMM_ONLY_OPTIONS.items():
+        value = getattr(args, name)
+        if name in ("cache_precision", "cache_load_factor"):
+            continue
+        if name == "managed" and str(value).lower() == default:
+            continue
+        if value != default:
+            return f"--{name.replace('_', '-')} {value}: not supported: {why}"
+    return None
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:

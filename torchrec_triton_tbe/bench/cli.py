@@ -33,6 +33,8 @@ from torchrec_triton_tbe.bench import peers
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import (
     CASE_FIELDS,
+    FBGEMM_COMMAND,
+    check_fbgemm_only_options,
     SuiteShape,
     build_parser,
     case_from_mapping,
@@ -97,9 +99,14 @@ def _summary(record: dict[str, Any]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [FBGEMM_COMMAND]:
+        argv = argv[1:]  # FBGEMM's command line names its command first; this CLI is that command
     parser = build_parser()
     args = parser.parse_args(argv)
     given = explicit_options(parser, argv)
+    refused = check_fbgemm_only_options(args)
+    if refused:
+        parser.error(refused)
     if args.check and not args.compare:
         parser.error("--check compares against another kernel: add --compare fbgemm (and/or torchrec_triton)")
     compare = tuple(dict.fromkeys(args.compare or ()))  # as given, once each

@@ -56,13 +56,15 @@ def gbps(nbytes: float, ms: float, backward: bool = False) -> float:
 
 
 def log_line(prefix: str, backward: bool, B: int, E: int, T: int, D, L: int, weighted: bool, bw_gbps: float,
-             us: float) -> str:
-    """FBGEMM's line, e.g. ``Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: False, BW:  654.43 GB/s,
-    T: 141us`` (FBGEMM's ``{: .2f}`` leaves a sign space after ``BW:``; its Backward line has no ``W:``),
+             us: float, alpha: Optional[float] = None) -> str:
+    """FBGEMM's line, e.g. ``Forward, B: 512, E: 100000, T: 32, D: 128, L: 20, W: False, a: 1.0, BW:  654.43
+    GB/s, T: 141us`` (FBGEMM's ``{: .2f}`` leaves a sign space after ``BW:``; its Backward line has no
+    ``W:``; ``a:``, the Zipf alpha, is in FBGEMM's lines since 1.x and left out when ``alpha`` is None),
     after a ``prefix`` naming kernel and optimizer, as FBGEMM's own ``{weights_precision} Forward``."""
     pass_ = "Backward" if backward else "Forward"
     weighted_part = "" if backward else f"W: {weighted}, "
-    line = (f"{pass_}, B: {B}, E: {E}, T: {T}, D: {D}, L: {L}, {weighted_part}"
+    alpha_part = "" if alpha is None else f"a: {alpha}, "
+    line = (f"{pass_}, B: {B}, E: {E}, T: {T}, D: {D}, L: {L}, {weighted_part}{alpha_part}"
             f"BW: {bw_gbps: .2f} GB/s, T: {us:.0f}us")
     return f"{prefix} {line}" if prefix else line
 

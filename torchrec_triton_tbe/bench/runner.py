@@ -307,6 +307,7 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
     B = round(sum(case.batch_size_at(t) for t in range(T)) / T)
     E = round(sum(case.num_embeddings_at(t) for t in range(T)) / T)
     L = round(sum(case.bag_size_at(t) for t in range(T)) / T)
+    alpha = round(sum(case.alpha_at(t) for t in range(T)) / T, 4)
     rw_bytes = case_bytes(case, w.Ds)
     param_bytes = BYTES_PER_ELEMENT[case.weights_precision]
     nparams = sum(d * case.num_embeddings_at(t) for t, d in enumerate(w.Ds))
@@ -357,7 +358,7 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
             bw = gbps(rw_bytes, timing.median_ms, backward)
             entry[kernel] = {**timing.as_dict(), "gbps": bw}
             emit(log_line(f"{kernel}{prefix_extra}", backward, B, E, T, w.D_logged, L, case.weighted, bw,
-                          timing.median_ms * 1e3))
+                          timing.median_ms * 1e3, alpha))
         for kernel in kernels[1:]:
             if "median_ms" not in entry[kernel]:
                 continue
