@@ -189,9 +189,13 @@ def test_malformed_batches_raise_or_repair_as_documented(case):
     given_inputs = [x.clone() if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
                     for x in (idx, off, psw)]
 
-    def unchanged() -> None:
-        for a, b in zip(before, state(m)):
+    def unchanged(steps: int = 0) -> None:
+        """Weights and optimizer state as before; the step count advanced by ``steps`` (each forward
+        that ran advances it, as FBGEMM's; a rejected one does not)."""
+        after = state(m)
+        for a, b in zip(before[:-1], after[:-1]):
             assert torch.equal(a, b)
+        assert int(after[-1]) == int(before[-1]) + steps
         for a, b in zip(given_inputs, (idx, off, psw)):
             if isinstance(a, torch.Tensor) and a.device.type != "meta":
                 assert torch.equal(a, b), "a rejected batch was modified"
@@ -230,7 +234,7 @@ def test_malformed_batches_raise_or_repair_as_documented(case):
         out = m(idx, off, psw)
         assert_close(out, expected, f"forward of a valid {kind} batch", atol=1e-6, rtol=1e-6)
         assert int(m.bounds_check_warning) == warnings_before
-        unchanged()
+        unchanged(steps=1)
         return
 
     # WARNING / IGNORE: FBGEMM's repair, in place.
@@ -247,8 +251,7 @@ def test_malformed_batches_raise_or_repair_as_documented(case):
         assert got == count and (count > 0) == (fb_warnings > 0 or bool((idx == -1).any())), (got, count, fb_warnings)
     else:
         assert got == 0
-    for a, b in zip(before, state(m)):
-        assert torch.equal(a, b)
+    unchanged(steps=1)
 
 
 # ---------------------------------------------------------------------------------------------- non-finite
@@ -306,7 +309,9 @@ def test_check_finite_guard_raises_before_any_update():
         assert "grad_output[1, 2] = nan is not finite (1 non-finite of 40)" in str(e), str(e)
     else:
         raise AssertionError("a non-finite gradient passed the guard")
-    for a, b in zip(before, state(m)):
+    after = state(m)
+    for a, b in zip(before[:-1], after[:-1]):
         assert torch.equal(a, b)
+    assert int(after[-1]) == int(before[-1]) + 1  # the forward that ran counted its step, as FBGEMM's
     m(GOOD_IDX, GOOD_OFF).sum().backward()  # still trains afterwards
     assert not torch.equal(before[0], m.split_embedding_weights()[0])

@@ -42,6 +42,7 @@ def _train_step(module, batch, grad, pad_to=None, garbage=0):
         idx = torch.cat([idx, torch.full((extra,), garbage, dtype=idx.dtype)])
         if psw is not None:
             psw = torch.cat([psw, torch.full((extra,), 7.0, dtype=psw.dtype)])
+    module.iter.add_(1)  # as the forward does: the backward applies its forward's count
     state = module.optimizer_tensors()
     B = (off.numel() - 1) // module.T
     bwd_ops.backward_step(module.spec, state, None, idx, off, grad, psw, B)

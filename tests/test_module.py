@@ -175,6 +175,24 @@ def test_the_learning_rate_is_not_checkpointed():
     assert torch.allclose(before - b.split_embedding_weights()[0][1], torch.ones(4))
 
 
+def test_bounds_check_modes_read_as_fbgemm_reads_them(monkeypatch):
+    """FBGEMM's V2_* modes run as IGNORE / WARNING / FATAL and FBGEMM_TBE_BOUNDS_CHECK_MODE overrides the
+    keyword, as in FBGEMM's TBE (checked against it on this machine)."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    def both(mode):
+        fb = SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                                   bounds_check_mode=mode)
+        return TritonTBE(SPECS, device="cpu", bounds_check_mode=mode).bounds_check_mode_int, fb.bounds_check_mode_int
+
+    for mode in BoundsCheckMode:
+        ours, fbgemm = both(mode)
+        assert ours == fbgemm, mode
+    monkeypatch.setenv("FBGEMM_TBE_BOUNDS_CHECK_MODE", str(BoundsCheckMode.FATAL.value))
+    assert both(BoundsCheckMode.NONE) == (BoundsCheckMode.FATAL.value,) * 2
+
+
 def test_optimizer_step_counter():
     m = TritonTBE(SPECS, device="cpu")
     m.set_optimizer_step(41)
@@ -182,6 +200,87 @@ def test_optimizer_step_counter():
     assert int(m.iter) == 42
     m.flush()
     m.reset_cache_states()
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD],
+                         ids=lambda o: o.name)
+def test_every_forward_advances_the_step_count_as_fbgemms_does(optimizer):
+    """FBGEMM's forward advances ``iter`` (eval forwards and forwards under no_grad too) and hands the
+    count to its backward. Oracle: FBGEMM's CPU TBE through training steps, no_grad forwards, an eval
+    forward in training mode whose output is dropped, and two forwards before their backwards; weights,
+    state and (for row-wise Adagrad, where FBGEMM keeps it) the count agree throughout. For SGD FBGEMM
+    leaves ``iter`` at 0 (nothing it computes reads it); here it counts there too (it seeds stochastic
+    rounding)."""
+    ours, fb = make_pair([(8, 4), (6, 8)], oracle="fbgemm", optimizer=optimizer, learning_rate=0.1, eps=0.5)
+    g = torch.Generator().manual_seed(4)
+    indices, offsets = torch.tensor([1, 1, 5, 2, 0]), torch.tensor([0, 2, 3, 4, 5])
+
+    def grad():
+        return torch.randn(2, 12, generator=g)
+
+    plan = ["train", "no_grad", "no_grad", "train", "dropped", "train", "two"]
+    forwards = {"train": 1, "no_grad": 1, "dropped": 1, "two": 2}
+    for what in plan:
+        gs = [grad(), grad()]
+        for m in (ours, fb):
+            if what == "no_grad":
+                with torch.no_grad():
+                    m(indices, offsets)
+            elif what == "dropped":
+                m(indices, offsets)
+            elif what == "train":
+                m(indices, offsets).backward(gs[0])
+            else:
+                first, second = m(indices, offsets), m(indices[:3], offsets[:3])
+                first.backward(gs[0])
+                second.backward(gs[1][:1])
+        for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+            assert_close(a, b, f"{optimizer.name} after {what}", atol=1e-6, rtol=1e-5)
+    assert int(ours.iter) == sum(forwards[w] for w in plan)
+    if optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        assert int(ours.iter) == int(fb.iter)
+        for a, b in zip(ours.split_optimizer_states(), fb.split_optimizer_states()):
+            assert_close(a[0], b[0], "row-wise Adagrad state", atol=1e-6, rtol=1e-5)
+
+
+def test_a_backward_applies_its_own_forwards_step_count():
+    """Adam's bias correction uses the count its forward set (FBGEMM passes it to the backward), even
+    when eval forwards, another training forward or set_optimizer_step come before the backward.
+    Oracle: the reference, with its count set to what each update must use."""
+    from test_backward import assert_same_state
+    from tbe_cases import oracle_step, skewed_batch
+
+    specs = [(12, 4), (9, 8)]
+    ours, ref = make_pair(specs, oracle="reference", optimizer=EmbOptimType.ADAM, learning_rate=0.1, eps=0.1,
+                          stochastic_rounding=False)
+    g = torch.Generator().manual_seed(5)
+    batches = [skewed_batch([r for r, _ in specs], [0, 1], B=3, max_L=4, generator=g) for _ in range(4)]
+    grads = [torch.randn(3, 12, generator=g) for _ in range(4)]
+
+    # Step 1, then two eval forwards: the second training forward runs at count 4.
+    ours(batches[0].indices, batches[0].offsets).backward(grads[0])
+    oracle_step(ref, batches[0], grads[0])
+    with torch.no_grad():
+        for _ in range(2):
+            ours(batches[1].indices, batches[1].offsets)
+    out = ours(batches[1].indices, batches[1].offsets)
+    # Between that forward and its backward: a later forward (count 5) and a new step count.
+    later = ours(batches[2].indices, batches[2].offsets)
+    ours.set_optimizer_step(20)
+    out.backward(grads[1])
+    ref.step_count = 3
+    oracle_step(ref, batches[1], grads[1])
+    assert_same_state(ours, ref, "reference", "the count-4 update", torch.float32, torch.float32)
+    later.backward(grads[2])
+    ref.step_count = 4
+    oracle_step(ref, batches[2], grads[2])
+    assert_same_state(ours, ref, "reference", "the count-5 update", torch.float32, torch.float32)
+    # The next forward counts on from the value set: 21.
+    ours(batches[3].indices, batches[3].offsets).backward(grads[3])
+    ref.step_count = 20
+    oracle_step(ref, batches[3], grads[3])
+    assert_same_state(ours, ref, "reference", "the count-21 update", torch.float32, torch.float32)
+    assert int(ours.iter) == 21
 
 
 @pytest.mark.parametrize(

@@ -99,13 +99,24 @@ def test_fatal_mode_refuses_bad_ids(one_rank):
             dmp(pc.batch(pc.TABLES, 0, bad_ids=True))
 
 
-def test_other_bounds_check_modes_are_refused(one_rank):
-    others = [m for m in BoundsCheckMode if m not in SUPPORTED_MODES]  # FBGEMM's V2_* modes
-    assert others
+def test_fbgemms_v2_bounds_check_modes_run_as_the_first_three(one_rank):
+    """FBGEMM's V2_* modes are its second implementation of IGNORE / WARNING / FATAL, which its TBE runs
+    as those; so does ours (and V2_FATAL still refuses bad ids, V2_WARNING counts them)."""
+    others = [m for m in BoundsCheckMode if m not in SUPPORTED_MODES]
+    assert sorted(m.name for m in others) == ["V2_FATAL", "V2_IGNORE", "V2_WARNING"]
     for mode in others:
         _, our_plan = Case(bounds_check_mode=mode).plans(1)
-        with pytest.raises(NotImplementedError, match=f"bounds_check_mode={mode.name}"):
-            pc.make_dmp(our_plan, pc.TritonTBESharder())
+        dmp = pc.make_dmp(our_plan, pc.TritonTBESharder(fused_params=pc.fused_params(ADAGRAD)))
+        as_run = BoundsCheckMode[mode.name[len("V2_"):]]
+        assert {k.emb_module.bounds_check_mode_int for k in pc.kernels(dmp)} == {as_run.value}
+        bad = pc.batch(pc.TABLES, 0, bad_ids=True)
+        if as_run == BoundsCheckMode.FATAL:
+            with pytest.raises(ValueError, match="bounds check"):
+                dmp(bad)
+        else:
+            dmp(bad)
+            warned = sum(int(k.emb_module.bounds_check_warning.item()) for k in pc.kernels(dmp))
+            assert (warned > 0) == (as_run == BoundsCheckMode.WARNING), warned
 
 
 def test_two_ranks_match_fused():

@@ -53,19 +53,38 @@ class HyperVersion:
         self.saved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (lr, hyper) once superseded
 
 
+class StepVersion:
+    """The step count one forward ran under (FBGEMM's ``iter``).
+
+    FBGEMM's forward advances ``iter`` and passes the new value to its backward as an argument, so a
+    backward's bias correction is its own forward's count even when other forwards ran in between (an
+    eval forward, TorchRec's semi-synchronous pipeline, which runs the next batch's lookup before this
+    one's backward) or ``set_optimizer_step`` moved it. The module's ``iter`` buffer holds the last
+    forward's count; the backward reads it unless it moved since its forward, in which case it reads
+    ``saved``, a copy the module made before moving it (``TritonTBE._settle_step``). ``pending``: a
+    backward may still come (the forward was recorded by autograd) and has not run yet."""
+
+    __slots__ = ("saved", "pending")
+
+    def __init__(self, pending: bool = False) -> None:
+        self.saved: Optional[torch.Tensor] = None
+        self.pending = pending
+
+
 @contextlib.contextmanager
-def swapped_in(saved: tuple[torch.Tensor, torch.Tensor], state: bwd_ops.OptimizerTensors) -> Iterator[None]:
-    """A captured backward reads the module's lr and hyper-parameter buffers where it was captured: the
-    forward's values go into them for its replay and the current ones come back after, in stream order
-    on the backward's stream, with no sync."""
-    current = (state.learning_rate.clone(), state.hyper.clone())
-    state.learning_rate.copy_(saved[0])
-    state.hyper.copy_(saved[1])
+def swapped_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """A captured backward reads the module's lr, hyper-parameter and step buffers where it was
+    captured: for each (buffer, forward's value) pair the forward's value goes into the buffer for the
+    replay and the current one comes back after, in stream order on the backward's stream, with no
+    sync."""
+    current = [buffer.clone() for buffer, _ in pairs]
+    for buffer, saved in pairs:
+        buffer.copy_(saved)
     try:
         yield
     finally:
-        state.learning_rate.copy_(current[0])
-        state.hyper.copy_(current[1])
+        for (buffer, _), value in zip(pairs, current):
+            buffer.copy_(value)
 
 
 class TBEFunction(torch.autograd.Function):
@@ -81,11 +100,12 @@ class TBEFunction(torch.autograd.Function):
         call: LookupCall,
         vbe: Optional[VBELayout],
         hyper: HyperVersion,
+        step: StepVersion,
     ) -> torch.Tensor:
         """``vbe`` (variable batch): ``offsets`` are its padded ones and call.B its padded batch; with
         ``vbe_output`` (TorchRec's merged output of several kernels) the result is written into it in
-        place and it is returned. ``hyper``: the module's current HyperVersion, whose values the
-        backward applies."""
+        place and it is returned. ``hyper`` / ``step``: the module's current HyperVersion and this
+        forward's StepVersion, whose values the backward applies."""
         spec = call.spec
         if spec.nobag:
             out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B)
@@ -100,6 +120,7 @@ class TBEFunction(torch.autograd.Function):
         ctx.runs = transpose_ops.build_runs(spec, indices, offsets, call.B, vbe) if spec.hoist_transpose else None
         ctx.call = call
         ctx.hyper = hyper
+        ctx.step = step
         ctx.vbe = vbe
         ctx.merged = vbe_output is not None
         ctx.save_for_backward(indices, offsets, per_sample_weights, feature_requires_grad)
@@ -110,11 +131,18 @@ class TBEFunction(torch.autograd.Function):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
-        # The forward's learning rate and hyper-parameters (HyperVersion): eager launches take its copies
-        # as arguments (the module's buffers are not written, whatever stream this backward runs on).
-        saved = ctx.hyper.saved
-        if saved is not None:
-            state = dataclasses.replace(state, learning_rate=saved[0], hyper=saved[1])
+        # The forward's learning rate, hyper-parameters and step count (HyperVersion, StepVersion) where
+        # they have moved since: eager launches take the copies as arguments (the module's buffers are
+        # not written, whatever stream this backward runs on); a replayed graph swaps them in.
+        step = ctx.step
+        step.pending = False
+        saved = {}
+        if ctx.hyper.saved is not None:
+            saved.update(learning_rate=ctx.hyper.saved[0], hyper=ctx.hyper.saved[1])
+        if step.saved is not None:
+            saved.update(step=step.saved)
+        if saved:
+            state = dataclasses.replace(state, **saved)
         if call.check_finite:
             bounds_ops.check_finite("grad_output", grad_out)
         passthrough = grad_out  # merged VBE: the other kernels' gradient, unclipped
@@ -143,7 +171,8 @@ class TBEFunction(torch.autograd.Function):
             def body(i, o, g, w):
                 bwd_ops.backward_step(spec, call.state, None, i, o, g, w, B)
 
-            with swapped_in(saved, call.state) if saved is not None else contextlib.nullcontext():
+            swaps = [(getattr(call.state, name), value) for name, value in saved.items()]
+            with swapped_in(swaps) if swaps else contextlib.nullcontext():
                 call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, B, body)
         else:
             runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B, vbe)
@@ -151,7 +180,7 @@ class TBEFunction(torch.autograd.Function):
                 call.on_runs(runs)
         # Merged VBE: the gradient of the caller's buffer passes through to whatever wrote it before
         # (TorchRec's other kernels read only their own positions of it).
-        return None, None, None, grad_psw, None, passthrough if ctx.merged else None, None, None, None
+        return None, None, None, grad_psw, None, passthrough if ctx.merged else None, None, None, None, None
 
 
 table_batched_embedding_bag = TBEFunction.apply

@@ -17,11 +17,12 @@ and the initial values of the run-time hyper-parameters (``HYPER_FIELDS``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-from torchrec_triton_tbe._fbgemm import EmbeddingLocation, EmbOptimType, SparseType, WeightDecayMode
+from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbeddingLocation, EmbOptimType, SparseType, WeightDecayMode
 from torchrec_triton_tbe.ops.spec import HYPER_FIELDS, Optim, OptimizerSpec, WeightDecay
 
 OPTIMIZERS = {
@@ -74,6 +75,18 @@ _STATE_DTYPES = {SparseType.FP32: torch.float32, SparseType.BF16: torch.bfloat16
 
 def _name(value: Any) -> str:
     return getattr(value, "name", repr(value))
+
+
+_V2_BOUNDS = {"V2_IGNORE": BoundsCheckMode.IGNORE, "V2_WARNING": BoundsCheckMode.WARNING,
+              "V2_FATAL": BoundsCheckMode.FATAL}
+
+
+def bounds_check_mode(mode) -> BoundsCheckMode:
+    """The mode FBGEMM's TBE runs for ``bounds_check_mode``: the ``FBGEMM_TBE_BOUNDS_CHECK_MODE``
+    environment variable, when set, overrides it, and the V2 modes are FBGEMM's second implementation
+    of IGNORE / WARNING / FATAL, which it runs as those (this module has one implementation)."""
+    mode = BoundsCheckMode(int(os.environ.get("FBGEMM_TBE_BOUNDS_CHECK_MODE", BoundsCheckMode(mode).value)))
+    return _V2_BOUNDS.get(mode.name, mode)
 
 
 def check_keywords(given: dict) -> None:

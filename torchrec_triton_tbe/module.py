@@ -26,7 +26,7 @@ from torchrec_triton_tbe._fbgemm import (
     WeightDecayMode,
 )
 from torchrec_triton_tbe import compat
-from torchrec_triton_tbe.autograd import HyperVersion, LookupCall, TBEFunction
+from torchrec_triton_tbe.autograd import HyperVersion, LookupCall, StepVersion, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import vbe as vbe_ops
@@ -179,12 +179,8 @@ class TritonTBE(nn.Module):
         self.weights_precision = weights_precision
         self.output_dtype = _DTYPES[output_dtype]
         self.stochastic_rounding = stochastic_rounding
-        self.bounds_check_mode_int = int(BoundsCheckMode(bounds_check_mode).value)
-        if self.bounds_check_mode_int not in {m.value for m in Bounds}:
-            raise NotImplementedError(
-                f"TritonTBE: bounds_check_mode={BoundsCheckMode(bounds_check_mode).name} is not supported; "
-                "use FATAL, WARNING, IGNORE or NONE"
-            )
+        # FBGEMM's reading: its environment override, and the V2 modes run as the first three.
+        self.bounds_check_mode_int = int(compat.bounds_check_mode(bounds_check_mode).value)
         self.embedding_table_index_type = embedding_table_index_type
         self.embedding_table_offset_type = embedding_table_offset_type
         self.embedding_shard_info = embedding_shard_info
@@ -216,7 +212,9 @@ class TritonTBE(nn.Module):
             persistent=False,
         )
         self._hyper_version = HyperVersion()
+        # Advanced by each forward, as FBGEMM's (autograd.StepVersion); seeds stochastic rounding too.
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
+        self._step_version = StepVersion()
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
         # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
         self.register_buffer("_bounds_repair_flag", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
@@ -342,10 +340,25 @@ class TritonTBE(nn.Module):
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)
-        return TBEFunction.apply(
+        step = StepVersion(pending=torch.is_grad_enabled())
+        out = TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
-            None if vbe is None else vbe.output, call, vbe, self._hyper_version,
+            None if vbe is None else vbe.output, call, vbe, self._hyper_version, step,
         )
+        # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
+        # count. Advanced once the forward has not raised (no kernel of it reads the count).
+        self._settle_step()
+        self.iter.add_(1)
+        self._step_version = step
+        return out
+
+    def _settle_step(self) -> None:
+        """Before ``iter`` moves: the last forward, if its backward may still come, keeps a copy of its
+        count (one small device copy, made only then: a training loop's backward has run by the next
+        forward)."""
+        last = self._step_version
+        if last.pending and last.saved is None:
+            last.saved = self.iter.clone()
 
     def precompile(self, indices: torch.Tensor, offsets: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor] = None,
@@ -507,6 +520,7 @@ class TritonTBE(nn.Module):
         # Checkpoints written before the learning rate stopped being saved hold it: ignored, as FBGEMM
         # (which never saves it) would not have it to restore.
         state_dict.pop(prefix + "learning_rate_tensor", None)
+        self._settle_step()  # a loaded step count is for later forwards
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_learning_rate(self) -> float:
@@ -538,7 +552,9 @@ class TritonTBE(nn.Module):
             target.fill_(value)
 
     def set_optimizer_step(self, step: int) -> None:
-        """The step count; the next update is step + 1 (Adam / LAMB bias correction), as in FBGEMM."""
+        """The step count: the next forward's update is step + 1 (Adam / LAMB bias correction), as in
+        FBGEMM; a forward already run keeps its own count for its backward."""
+        self._settle_step()
         self.iter.fill_(step)
 
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:

@@ -1,5 +1,6 @@
 """Backward CUDA graphs (ops/graphs.py) on the GPU: replays are bit-identical to the eager backward
-(batches of varying size, learning-rate, hyper-parameter and step changes between replays, stochastic rounding,
+(batches of varying size, learning-rate, hyper-parameter and step changes between replays, forwards between a
+forward and its backward, stochastic rounding,
 per-sample weights with their gradient, eviction), and capture and replay never sync the host."""
 
 import pytest
@@ -62,6 +63,29 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
     assert torch.equal(graphed.momentum2, eager.momentum2)
     assert torch.equal(graphed.iter, eager.iter)
     assert float(graphed.learning_rate_tensor) == float(eager.learning_rate_tensor) == pytest.approx(0.005)
+
+
+def test_replays_apply_their_forwards_step_count():
+    """Each forward advances the step count and its backward applies that count (autograd.StepVersion):
+    with an eval forward and a second training forward before each backward (TorchRec's semi-synchronous
+    order), a replay swaps its forward's count in as the eager module passes it, bit for bit."""
+    graphed, eager = two_modules(EmbOptimType.ADAM)
+    for step in range(6):
+        first, second = batch(step % 2, nb=512)[:2], batch(2 + step % 2, nb=512)[:2]
+        gen = torch.Generator(DEV).manual_seed(step)
+        grads = [torch.randn(512, graphed.total_D, device=DEV, generator=gen) for _ in range(2)]
+        for m in (graphed, eager):
+            out = m(*first)
+            with torch.no_grad():
+                m(*second)
+            later = m(*second)
+            out.backward(grads[0])
+            later.backward(grads[1])
+    torch.cuda.synchronize()
+    assert graphed._backward_graphs.replays >= 2, graphed._backward_graphs.replays
+    assert int(graphed.iter) == int(eager.iter) == 18
+    for name in ("weights", "momentum1", "momentum2"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
 
 
 def test_capture_and_replay_do_not_sync():

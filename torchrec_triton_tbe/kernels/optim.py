@@ -143,9 +143,9 @@ def apply_rows_update(
     element-wise state), their current weights (fp32, 0 where masked), their reduced gradients (fp32, 0
     where masked), the live elements. rmask / D / state_row: [R]: live rows, their widths, their index
     in row-wise state. m1 / m2 / m3: the optimizer's state tensors (momentum1, momentum2, row_counter;
-    unused ones are stand-ins). lr: the learning rate; hyper_ptr: fp32 [HYPER_FIELDS]; step: the
-    optimizer step before this one (int64), seeds stochastic rounding and, + 1, is the bias-correction
-    step."""
+    unused ones are stand-ins). lr: the learning rate; hyper_ptr: fp32 [HYPER_FIELDS]; step: this
+    update's step count t >= 1 (int64; FBGEMM's ``iter`` as the forward advanced it), the bias
+    correction's t, and seeds stochastic rounding."""
     if OPTIM == EXACT_SGD:
         w = w - lr * g
     elif OPTIM == EXACT_ROWWISE_ADAGRAD:
@@ -194,8 +194,8 @@ def apply_rows_update(
             bc1 = _bias_correction(b1, t)[:, None]
             bc2 = _bias_correction(b2, t)[:, None]
         else:
-            bc1 = _bias_correction(b1, step + 1)
-            bc2 = _bias_correction(b2, step + 1)
+            bc1 = _bias_correction(b1, step)
+            bc2 = _bias_correction(b2, step)
         m = tl.load(m1_ptr + w_off, mask=mask, other=0.0).to(tl.float32) * b1 + g * (1.0 - b1)
         store_nearest(m1_ptr + w_off, m, mask)
         if OPTIM == ADAM or OPTIM == LAMB:

@@ -212,8 +212,8 @@ def fused_update(
     live = [k for k, bucket in enumerate(plan.buckets) if bucket.features]
     # The buckets update disjoint rows and read their own chunks of the workspace, so they may run side
     # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
-    # reads its partials), and the join below orders everything after them, the step counter's
-    # increment (which they read) included.
+    # reads its partials), and the join below orders everything after them, the next forward's step
+    # increment (the step counter they read) included.
     weights = [len(plan.buckets[k].features) * plan.buckets[k].block_d for k in live]
     num_lanes, lanes = update_lanes(bcfg, weights, runs.num_lookups, small)
     streams = bucket_streams(bcfg, num_lanes, runs.num_lookups, device)
@@ -370,10 +370,10 @@ def backward_step(
     vbe: Optional[VBELayout] = None,
 ) -> RunPlan:
     """Everything a backward does after the per-sample-weight gradient: the runs (unless the forward
-    built them), one optimizer step per touched row, the step counter. Device work only (no host
-    sync, no data-dependent host branch), so ops/graphs.py can capture it as it is."""
+    built them) and one optimizer step per touched row (``state.step``: the forward's count, which
+    the forward advanced). Device work only (no host sync, no data-dependent host branch), so
+    ops/graphs.py can capture it as it is."""
     if runs is None:
         runs = build_runs(spec, indices, offsets, B, vbe)
     fused_update(spec, state, runs, grad_out, offsets, per_sample_weights, B, vbe, indices)
-    state.step.add_(1)
     return runs

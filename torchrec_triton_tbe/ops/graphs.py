@@ -4,14 +4,15 @@ Why: a small batch's backward is launch-bound. On FBGEMM's default shape (B=512,
 kernels take ~0.25 ms on the H200, but issuing them (autograd, ``torch.sort``, ten Triton launches,
 a dozen allocations) took 0.56-0.89 ms of host time (tools/host_profile.py), and a TorchRec step pays
 that once per TBE module. Everything the backward does after the per-sample-weight gradient (run
-metadata, fused update, step counter) is sync-free with buffers sized from N, so it can be captured
+metadata, fused update) is sync-free with buffers sized from N, so it can be captured
 once per shape and replayed for the price of two input copies and one graph launch: 0.13 ms of
 host time, 0.27 ms event-timed on that shape (docs/performance.md).
 
 What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
 count, the dtypes of ids / offsets / gradient / per-sample weights, the addresses of the weights,
-optimizer state, learning rate, hyper-parameter and step tensors (read at replay time:
-``set_learning_rate``, ``update_hyper_parameters`` and ``set_optimizer_step`` are seen).
+optimizer state, learning rate, hyper-parameter and step tensors (read at replay time: the
+forward's step count, ``set_learning_rate``, ``update_hyper_parameters`` and ``set_optimizer_step``
+are seen; a forward whose values moved since swaps its own in, autograd.swapped_in).
 
 The output gradient is read where it lies, not copied. It is the largest input (B x total_D, 4 bytes
 an element: 0.87 GB at 65,536 bags of 26 x 128 columns), and a copy into a static buffer cost as much

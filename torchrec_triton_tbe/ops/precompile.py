@@ -98,9 +98,9 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     if launch_ops._PENDING is not None:
         raise RuntimeError("record_step: already recording (not re-entrant)")
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
-    # buffers (the step counter does: ops/backward.py), all of them small. Snapshot, restore after.
+    # buffers (the forward's step count does), all of them small. Snapshot, restore after.
     small = {name: buf.clone() for name, buf in module.named_buffers() if name not in _KERNEL_WRITTEN}
-    last_runs = module._last_runs
+    last_runs, step_version = module._last_runs, module._step_version
     # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
     # would be replayed (real kernels, garbage gradients), not recorded. The cached LookupCall holds
     # the cache, so it is set aside too.
@@ -125,7 +125,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
             for name, saved in small.items():
                 buffers[name].copy_(saved)
         module._backward_graphs, module._cached_call = graphs, cached_call
-        module._last_runs = last_runs
+        module._last_runs, module._step_version = last_runs, step_version
     return recorded
 
 
