@@ -193,6 +193,25 @@ def test_bounds_check_modes_read_as_fbgemm_reads_them(monkeypatch):
     assert both(BoundsCheckMode.NONE) == (BoundsCheckMode.FATAL.value,) * 2
 
 
+def test_parameters_are_fbgemms_placeholder():
+    """FBGEMM's TBE on the GPU has one Parameter, its zero-size ``placeholder_autograd_tensor`` (the
+    weights are buffers), saved in its state dict; ours too. Checkpoints from before it was saved load."""
+    m = TritonTBE(SPECS, device="cpu")
+    assert [(n, p.numel(), p.requires_grad) for n, p in m.named_parameters()] == [
+        ("placeholder_autograd_tensor", 0, True)]
+    assert next(m.parameters()).device == torch.device("cpu")
+    state = m.state_dict()
+    assert "placeholder_autograd_tensor" in state
+    del state["placeholder_autograd_tensor"]
+    other = TritonTBE(SPECS, device="cpu")
+    other.load_state_dict(state)  # strict
+    assert torch.equal(other.weights, m.weights)
+    # The fused update still runs with nothing else requiring a gradient, and leaves no .grad.
+    before = other.weights.clone()
+    other(torch.tensor([1]), torch.tensor([0, 1, 1])).sum().backward()
+    assert not torch.equal(before, other.weights) and other.placeholder_autograd_tensor.grad is None
+
+
 def test_optimizer_step_counter():
     m = TritonTBE(SPECS, device="cpu")
     m.set_optimizer_step(41)

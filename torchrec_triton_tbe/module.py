@@ -219,8 +219,11 @@ class TritonTBE(nn.Module):
         # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
         self.register_buffer("_bounds_repair_flag", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("D_offsets", torch.tensor(plan.D_offsets, dtype=torch.int32, device=dev), persistent=False)
-        # Makes autograd run backward (the fused optimizer) even when no input needs a gradient.
-        self.placeholder_autograd_tensor = torch.zeros(0, device=dev, requires_grad=True)
+        # Makes autograd run backward (the fused optimizer) even when no input needs a gradient. A
+        # zero-size Parameter, as FBGEMM's: the module's parameters() list it (and it alone, as FBGEMM's
+        # on the GPU, whose weights are buffers), so ``next(module.parameters()).device`` works, and
+        # ``module.to`` moves it.
+        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=dev))
 
         config = load_config(dev, kernel_config)
         plan = _with_small_tables(plan, config, pooling_mode == PoolingMode.NONE)
@@ -520,6 +523,9 @@ class TritonTBE(nn.Module):
         # Checkpoints written before the learning rate stopped being saved hold it: ignored, as FBGEMM
         # (which never saves it) would not have it to restore.
         state_dict.pop(prefix + "learning_rate_tensor", None)
+        # Saved since it became a Parameter (as FBGEMM saves it); zero-size, so older checkpoints lack
+        # nothing by lacking it.
+        state_dict.setdefault(prefix + "placeholder_autograd_tensor", self.placeholder_autograd_tensor.detach())
         self._settle_step()  # a loaded step count is for later forwards
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
