@@ -450,3 +450,27 @@ def test_split_heaviest_lanes(small):
     # equal weights: the first in plan order; one stream: nothing to split
     assert update_lanes(on, [5, 5, 5], 1000, False)[1][0] == (0, 1)
     assert update_lanes(dataclasses.replace(on, bucket_streams=1), weights, 1000, False)[0] == 7
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_side_streams_are_joined_when_a_launch_raises(monkeypatch, where):
+    """Buckets on side streams (GPU): kernels already queued there read tensors the failing call frees,
+    and only the join orders the reuse of that memory, so a launch that raises (a first-call compile
+    error) still joins them. Streams and launches are stand-ins here (no GPU)."""
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+
+    ops = fwd_ops if where == "forward" else bwd_ops
+    joined = []
+    monkeypatch.setattr(ops, "bucket_streams", lambda *args: ["main", "side"])
+    monkeypatch.setattr(ops, "join_streams", lambda streams, device: joined.append(list(streams)))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(ops, "launch" if where == "forward" else "_launch_persistent", fail)
+    ours, _ = make_pair(SPECS, FTM, oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B=3, max_L=4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="compile failed"):
+        ours(batch.indices, batch.offsets).sum().backward()
+    assert joined == [["main", "side"]]

@@ -224,77 +224,105 @@ def fused_update(
         for g, group in enumerate(plan.small_groups):
             if group.features:
                 small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
-    for j, k in enumerate(live):
-        bucket = plan.buckets[k]
-        stream, long_stream = (streams[lane % len(streams)] for lane in lanes[j]) if streams else (None, None)
-        bd = bucket.block_d
-        row_bytes = state.weights.element_size() + spec.optimizer.elementwise_state_bytes
-        tile = bcfg.tiles(bd, row_bytes)
-        common = dict(
-            EVEN_D=spec.bucket_even_d[k],
-            ALIGN=spec.bucket_align[k],
-            BLOCK_D=bd,
-        )
-        gathers = dict(
-            OUT_MAP=out_map,
-            OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
-        )
-        warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
-        long_tile, long_warps = bcfg.long_knobs(bd, row_bytes)
-        long_warps = tile_warps(long_warps, long_tile * bd)
-        update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
-        layout = (
-            out_offset,
-            tensors.feature_key_offset,
-            tensors.feature_weight_offset,
-            tensors.feature_row_offset,
-            tensors.feature_dim,
-        )
-        # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
-        chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
-        modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
-        long_modes = dict(modes, TILE=long_tile)
-        _launch_persistent(
-            _backward_short_kernel,
-            bcfg,
-            device,
-            (
-                *optim_state,
-                grad_out,
-                runs.sorted_keys,
-                runs.sorted_bags,
-                sorted_psw,
-                offsets,
-                runs.run_start,
-                runs.bucket_run_bounds,
-                *layout,
-                k,
-                B,
-                runs.bag_shift,
-                grad_stride,
-                runs.threshold,
-            ),
-            dict(**modes, **update, **common, **gathers),
-            warps,
-            stream,
-            maxnreg=bcfg.short_maxnreg(bd),
-        )
-        if fused_long:
+    # Joined whatever happens: kernels already queued on the side streams read tensors this frame
+    # frees if a launch raises (a first-call compile error), and only the join orders their reuse.
+    try:
+        for j, k in enumerate(live):
+            bucket = plan.buckets[k]
+            stream, long_stream = (streams[lane % len(streams)] for lane in lanes[j]) if streams else (None, None)
+            bd = bucket.block_d
+            row_bytes = state.weights.element_size() + spec.optimizer.elementwise_state_bytes
+            tile = bcfg.tiles(bd, row_bytes)
+            common = dict(
+                EVEN_D=spec.bucket_even_d[k],
+                ALIGN=spec.bucket_align[k],
+                BLOCK_D=bd,
+            )
+            gathers = dict(
+                OUT_MAP=out_map,
+                OUT_ALIGN=spec.bucket_align[k] if out_align is None else min(out_align, spec.bucket_align[k]),
+            )
+            warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
+            long_tile, long_warps = bcfg.long_knobs(bd, row_bytes)
+            long_warps = tile_warps(long_warps, long_tile * bd)
+            update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
+            layout = (
+                out_offset,
+                tensors.feature_key_offset,
+                tensors.feature_weight_offset,
+                tensors.feature_row_offset,
+                tensors.feature_dim,
+            )
+            # Where each long run's chunks are: a chunk's run, each run's first chunk, each bucket's chunks.
+            chunk_tables = (runs.run_start, runs.chunk_run, runs.run_chunk_begin, runs.bucket_chunk_bounds)
+            modes = dict(POOLING_MEAN=spec.pooling_mean, WEIGHTED=weighted, TILE=tile)
+            long_modes = dict(modes, TILE=long_tile)
             _launch_persistent(
-                _backward_long_fused_kernel,
+                _backward_short_kernel,
                 bcfg,
                 device,
                 (
                     *optim_state,
-                    partials,
-                    counters,
                     grad_out,
                     runs.sorted_keys,
                     runs.sorted_bags,
                     sorted_psw,
                     offsets,
-                    *chunk_tables,
+                    runs.run_start,
+                    runs.bucket_run_bounds,
                     *layout,
+                    k,
+                    B,
+                    runs.bag_shift,
+                    grad_stride,
+                    runs.threshold,
+                ),
+                dict(**modes, **update, **common, **gathers),
+                warps,
+                stream,
+                maxnreg=bcfg.short_maxnreg(bd),
+            )
+            if fused_long:
+                _launch_persistent(
+                    _backward_long_fused_kernel,
+                    bcfg,
+                    device,
+                    (
+                        *optim_state,
+                        partials,
+                        counters,
+                        grad_out,
+                        runs.sorted_keys,
+                        runs.sorted_bags,
+                        sorted_psw,
+                        offsets,
+                        *chunk_tables,
+                        *layout,
+                        k,
+                        B,
+                        runs.bag_shift,
+                        grad_stride,
+                        runs.chunk,
+                        partial_stride,
+                    ),
+                    dict(**long_modes, **update, **common, **gathers),
+                    long_warps,
+                    long_stream,
+                )
+                continue
+            _launch_persistent(
+                _backward_long_partials_kernel,
+                bcfg,
+                device,
+                (
+                    partials,
+                    grad_out,
+                    runs.sorted_bags,
+                    sorted_psw,
+                    offsets,
+                    *chunk_tables,
+                    out_offset,
+                    tensors.feature_dim,
                     k,
                     B,
                     runs.bag_shift,
@@ -302,60 +330,36 @@ def fused_update(
                     runs.chunk,
                     partial_stride,
                 ),
-                dict(**long_modes, **update, **common, **gathers),
+                dict(**long_modes, **common, **gathers),
                 long_warps,
                 long_stream,
             )
-            continue
-        _launch_persistent(
-            _backward_long_partials_kernel,
-            bcfg,
-            device,
-            (
-                partials,
-                grad_out,
-                runs.sorted_bags,
-                sorted_psw,
-                offsets,
-                *chunk_tables,
-                out_offset,
-                tensors.feature_dim,
-                k,
-                B,
-                runs.bag_shift,
-                grad_stride,
-                runs.chunk,
-                partial_stride,
-            ),
-            dict(**long_modes, **common, **gathers),
-            long_warps,
-            long_stream,
-        )
-        _launch_persistent(
-            _backward_long_apply_kernel,
-            bcfg,
-            device,
-            (
-                *optim_state,
-                partials,
-                runs.sorted_keys,
-                runs.sorted_bags,
-                *chunk_tables,
-                tensors.feature_key_offset,
-                tensors.feature_weight_offset,
-                tensors.feature_row_offset,
-                tensors.feature_dim,
-                k,
-                B,
-                runs.bag_shift,
-                partial_stride,
-            ),
-            dict(TILE=long_tile, **update, **common),
-            long_warps,
-            long_stream,
-        )
-    if streams:
-        join_streams(streams, device)
+            _launch_persistent(
+                _backward_long_apply_kernel,
+                bcfg,
+                device,
+                (
+                    *optim_state,
+                    partials,
+                    runs.sorted_keys,
+                    runs.sorted_bags,
+                    *chunk_tables,
+                    tensors.feature_key_offset,
+                    tensors.feature_weight_offset,
+                    tensors.feature_row_offset,
+                    tensors.feature_dim,
+                    k,
+                    B,
+                    runs.bag_shift,
+                    partial_stride,
+                ),
+                dict(TILE=long_tile, **update, **common),
+                long_warps,
+                long_stream,
+            )
+    finally:
+        if streams:
+            join_streams(streams, device)
 
 
 def backward_step(

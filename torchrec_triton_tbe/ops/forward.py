@@ -84,27 +84,29 @@ def pooled_forward(
     head = arg_key((weights, indices, offsets, psw, out))
     mid = arg_key((out_offset,))
     tail = arg_key((warning, B, plan.total_D))
-    for i, (features, cols, grid, constexprs, warps, (plan_a, plan_b)) in enumerate(launches):
-        args = (
-            weights,
-            indices,
-            offsets,
-            psw,
-            out,
-            features,
-            cols,
-            tensors.feature_dim,
-            tensors.feature_weight_offset,
-            out_offset,
-            tensors.feature_rows,
-            warning,
-            B,
-            plan.total_D,
-        )
-        launch(_pooled_forward_kernel, grid, args, constexprs, warps, key=head + plan_a + mid + plan_b + tail,
-               stream=streams[i % len(streams)] if streams else None)
-    if streams:
-        join_streams(streams, weights.device)
+    try:
+        for i, (features, cols, grid, constexprs, warps, (plan_a, plan_b)) in enumerate(launches):
+            args = (
+                weights,
+                indices,
+                offsets,
+                psw,
+                out,
+                features,
+                cols,
+                tensors.feature_dim,
+                tensors.feature_weight_offset,
+                out_offset,
+                tensors.feature_rows,
+                warning,
+                B,
+                plan.total_D,
+            )
+            launch(_pooled_forward_kernel, grid, args, constexprs, warps, key=head + plan_a + mid + plan_b + tail,
+                   stream=streams[i % len(streams)] if streams else None)
+    finally:
+        if streams:  # joined even when a launch raises: see ops/backward.fused_update
+            join_streams(streams, weights.device)
     return out
 
 
