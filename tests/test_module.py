@@ -302,6 +302,38 @@ def test_a_backward_applies_its_own_forwards_step_count():
     assert int(ours.iter) == 21
 
 
+def test_a_repeated_backward_applies_its_forwards_step_count(monkeypatch):
+    """A backward run again (retain_graph, or a retry after the non-finite guard raised) after later
+    forwards applies its own forward's count, as FBGEMM's, whose backward keeps the count it was given."""
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+
+    applied = []
+    update = bwd_ops.fused_update
+
+    def spy(spec, state, *args, **kwargs):
+        applied.append(int(state.step))
+        return update(spec, state, *args, **kwargs)
+
+    monkeypatch.setattr(bwd_ops, "fused_update", spy)
+    m = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.ADAM)
+    ids, offs = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3])
+    grad = torch.ones(1, 12)
+    first = m(ids[:2], offs[:3])
+    first.backward(grad, retain_graph=True)
+    second = m(ids[:2], offs[:3])
+    first.backward(grad)
+    second.backward(grad)
+    assert applied == [1, 1, 2]
+
+    m.check_finite = True
+    third = m(ids[:2], offs[:3])
+    with pytest.raises(ValueError, match="not finite"):
+        third.backward(torch.full((1, 12), float("nan")), retain_graph=True)
+    m(ids[:2], offs[:3])  # a later forward (count 4) before the retry
+    third.backward(grad)
+    assert applied == [1, 1, 2, 3]
+
+
 @pytest.mark.parametrize(
     "specs,ftm,match",
     [

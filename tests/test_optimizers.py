@@ -109,8 +109,9 @@ def test_max_norm_bounds_every_updated_row():
 
 @pytest.mark.parametrize("name", ["adam", "partial-rowwise-lamb", "lars-sgd", "rowwise-l2"])
 def test_hyper_parameter_updates_reach_the_next_step(name):
-    """update_hyper_parameters (FBGEMM's keys) and set_optimizer_step change the next update as they do
-    FBGEMM's: the new values, and bias correction from step + 1."""
+    """update_hyper_parameters (FBGEMM's keys) and set_optimizer_step change the next update: the new
+    values (as FBGEMM's), and bias correction from step + 1 (as FBGEMM's on a fresh module; after a
+    forward FBGEMM 1.9's updates ignore set_optimizer_step, docs/design.md "Optimizers")."""
     optimizer, extra, _ = VARIANTS[name]
     ours, ref = make_pair(SPECS, FTM, oracle="reference", optimizer=optimizer, learning_rate=0.1, eps=0.1,
                           stochastic_rounding=False, **extra)

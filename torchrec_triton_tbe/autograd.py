@@ -56,19 +56,22 @@ class HyperVersion:
 class StepVersion:
     """The step count one forward ran under (FBGEMM's ``iter``).
 
-    FBGEMM's forward advances ``iter`` and passes the new value to its backward as an argument, so a
+    FBGEMM's forward advances its count and passes the new value to its backward as an argument, so a
     backward's bias correction is its own forward's count even when other forwards ran in between (an
     eval forward, TorchRec's semi-synchronous pipeline, which runs the next batch's lookup before this
-    one's backward) or ``set_optimizer_step`` moved it. The module's ``iter`` buffer holds the last
-    forward's count; the backward reads it unless it moved since its forward, in which case it reads
-    ``saved``, a copy the module made before moving it (``TritonTBE._settle_step``). ``pending``: a
-    backward may still come (the forward was recorded by autograd) and has not run yet."""
+    one's backward). The module's ``iter`` buffer holds the last forward's count; the backward reads it
+    unless it moved since its forward, in which case it reads ``saved``, a copy the module made before
+    moving it (``TritonTBE._settle_step``). ``recorded``: autograd recorded the forward, so a backward
+    may come, also again (a retry after an error, ``retain_graph``): such a forward gets its copy
+    whenever the count moves after it. ``stream``: the CUDA stream the forward ran on, where its
+    backward runs (autograd's rule), hence where the count it reads must be ordered."""
 
-    __slots__ = ("saved", "pending")
+    __slots__ = ("saved", "recorded", "stream")
 
-    def __init__(self, pending: bool = False) -> None:
+    def __init__(self, recorded: bool = False, stream=None) -> None:
         self.saved: Optional[torch.Tensor] = None
-        self.pending = pending
+        self.recorded = recorded
+        self.stream = stream
 
 
 @contextlib.contextmanager
@@ -135,7 +138,6 @@ class TBEFunction(torch.autograd.Function):
         # they have moved since: eager launches take the copies as arguments (the module's buffers are
         # not written, whatever stream this backward runs on); a replayed graph swaps them in.
         step = ctx.step
-        step.pending = False
         saved = {}
         if ctx.hyper.saved is not None:
             saved.update(learning_rate=ctx.hyper.saved[0], hyper=ctx.hyper.saved[1])

@@ -343,7 +343,8 @@ class TritonTBE(nn.Module):
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)
-        step = StepVersion(pending=torch.is_grad_enabled())
+        stream = torch.cuda.current_stream(self.current_device) if self.current_device.type == "cuda" else None
+        step = StepVersion(recorded=torch.is_grad_enabled(), stream=stream)
         out = TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
             None if vbe is None else vbe.output, call, vbe, self._hyper_version, step,
@@ -356,12 +357,22 @@ class TritonTBE(nn.Module):
         return out
 
     def _settle_step(self) -> None:
-        """Before ``iter`` moves: the last forward, if its backward may still come, keeps a copy of its
-        count (one small device copy, made only then: a training loop's backward has run by the next
-        forward)."""
+        """Before ``iter`` moves: the last forward, if autograd recorded it (a backward may still come,
+        or come again), keeps a copy of its count, one small device copy per training forward. On
+        CUDA, where the last forward ran on another stream than the current one (a pipeline's lookup
+        stream, then an eval loop's), the current stream first waits for it (its backward's kernels
+        may still read ``iter``) and its stream then waits for the copy, which its backward reads."""
         last = self._step_version
-        if last.pending and last.saved is None:
+        other = None
+        if last.stream is not None:
+            now = torch.cuda.current_stream(self.current_device)
+            if now != last.stream:
+                other = last.stream
+                now.wait_stream(other)
+        if last.recorded and last.saved is None:
             last.saved = self.iter.clone()
+            if other is not None:
+                other.wait_stream(now)
 
     def precompile(self, indices: torch.Tensor, offsets: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor] = None,
@@ -558,8 +569,10 @@ class TritonTBE(nn.Module):
             target.fill_(value)
 
     def set_optimizer_step(self, step: int) -> None:
-        """The step count: the next forward's update is step + 1 (Adam / LAMB bias correction), as in
-        FBGEMM; a forward already run keeps its own count for its backward."""
+        """The step count: the next forward's update is step + 1 (Adam / LAMB bias correction); a
+        forward already run keeps its own count for its backward. FBGEMM behaves so on a module that
+        has not run a forward yet (TorchRec's restore); once it has, its updates keep counting from its
+        host copy of the count and only the saved ``iter`` changes (fbgemm_gpu 1.9)."""
         self._settle_step()
         self.iter.fill_(step)
 

@@ -88,6 +88,32 @@ def test_replays_apply_their_forwards_step_count():
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
 
 
+def test_forwards_on_other_streams_apply_their_own_step_count():
+    """A pipeline's lookups on a side stream (their backwards run there too, autograd's rule), then eval
+    forwards on the default stream, then lookups on the side stream again in semi-synchronous order: the
+    count each backward applies and the weights equal those of the same calls all on one stream (the
+    module orders the count's writes across the two streams, TritonTBE._settle_step)."""
+    graphed, eager = two_modules(EmbOptimType.ADAM)
+    grads = [torch.randn(512, eager.total_D, device=DEV, generator=torch.Generator(DEV).manual_seed(s))
+             for s in range(4)]
+    side = torch.cuda.Stream(DEV)
+    side.wait_stream(torch.cuda.current_stream(DEV))  # the weights' initialisation and the gradients
+    for m, stream in ((graphed, side), (eager, torch.cuda.current_stream(DEV))):
+        for step in range(4):
+            with torch.cuda.stream(stream):
+                out = m(*batch(step % 2, nb=512)[:2])
+                later = m(*batch(2, nb=512)[:2]) if step >= 2 else None  # semi-synchronous order
+                out.backward(grads[step])
+                if later is not None:
+                    later.backward(grads[3 - step])
+            with torch.no_grad():
+                m(*batch(3, nb=512)[:2])  # an eval forward on the default stream
+    torch.cuda.synchronize()
+    assert int(graphed.iter) == int(eager.iter) == 4 + 2 + 4
+    for name in ("weights", "momentum1", "momentum2"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
 def test_capture_and_replay_do_not_sync():
     graphed, _ = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     idx, off, _ = batch(0)
