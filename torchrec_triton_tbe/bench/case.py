@@ -42,8 +42,6 @@ BOUNDS_CHECK_MODES = range(7)
 # would not measure the same thing on both sides). name -> (default, why refused).
 FBGEMM_ONLY_OPTIONS = {
     "managed": ("device", "every table lives in device memory here (no UVM or cache placement)"),
-    "cache_precision": (None, "no embedding cache here (any value: FBGEMM reads it only with a cache)"),
-    "cache_load_factor": (0.2, "no embedding cache here (any value: FBGEMM reads it only with a cache)"),
     "uvm_host_mapped": (False, "no UVM here"),
     "ssd": (False, "no SSD tables here"),
     "ssd_prefix": ("/tmp/ssd_benchmark", "no SSD tables here"),
@@ -57,6 +55,14 @@ FBGEMM_ONLY_OPTIONS = {
     "trace_url": ("{tbe_type}_tbe_{phase}_trace_{ospid}.json", "trace export is not implemented here"),
     "deterministic": (False, "not implemented here"),
 }
+# FBGEMM's cache knobs: accepted at any value, since FBGEMM reads them only with a cache (which --managed
+# refuses). name -> (default, help).
+FBGEMM_CACHE_OPTIONS = {
+    "cache_precision": (None, "no embedding cache here: FBGEMM reads it only with one"),
+    "cache_load_factor": (0.2, "no embedding cache here: FBGEMM reads it only with one"),
+}
+# FBGEMM parses these case-insensitively.
+_LOWERED = {"managed"}
 # FBGEMM's benchmark commands: `device` is this one; the others take options this CLI does not mirror.
 FBGEMM_COMMAND = "device"
 # --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
@@ -289,12 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = p.add_argument_group("FBGEMM `device` options for what TritonTBE does not have: accepted at FBGEMM's "
                              "default only")
-    for name, (value, why) in FBGEMM_ONLY_OPTIONS.items():
+    for name, (value, why) in {**FBGEMM_ONLY_OPTIONS, **FBGEMM_CACHE_OPTIONS}.items():
         flag = "--" + (name if name == "requests_data_file" else name.replace("_", "-"))  # FBGEMM's spelling
         if isinstance(value, bool):
             f.add_argument(flag, action="store_true", help=why)
         else:
-            f.add_argument(flag, default=value, help=f"{why} (FBGEMM's default: {value})")
+            f.add_argument(flag, default=value, type=str.lower if name in _LOWERED else None,
+                           help=f"{why} (FBGEMM's default: {value})")
 
     x = p.add_argument_group("A/B options")
     x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
@@ -330,14 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_fbgemm_only_options(args: argparse.Namespace) -> Optional[str]:
-    """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults, or options
-    FBGEMM itself reads only with a cache, which --managed refuses)."""
+    """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults)."""
     for name, (default, why) in FBGEMM_ONLY_OPTIONS.items():
         value = getattr(args, name)
-        if name in ("cache_precision", "cache_load_factor"):
-            continue
-        if name == "managed" and str(value).lower() == default:
-            continue
         if value != default:
             return f"--{name.replace('_', '-')} {value}: not supported: {why}"
     return None
