@@ -22,11 +22,12 @@ from torchrec_triton_tbe.bench.case import (
     BenchCase,
     build_parser,
     check_fbgemm_only_options,
+    device_with_spec_options,
     explicit_options,
     load_suite,
     resolve_optimizers,
 )
-from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes
+from torchrec_triton_tbe.bench.report import gbps, log_line, merge, parse_log_line, read_write_bytes, spec_log_line
 from torchrec_triton_tbe.bench.runner import RunOptions
 from torchrec_triton_tbe.bench.timing import time_steps
 
@@ -127,6 +128,89 @@ def test_fbgemms_command_name_and_line(capsys):
     assert "Forward, B: 4, E: 20, T: 1, D: 8, L: 2, W: False, a: 1.15, BW:" in out, out
 
 
+def _spec_case(argv):
+    """The BenchCase a command line describes (what cli.main would run)."""
+    parser = build_parser()
+    command = argv[0] if argv and argv[0] in ("device", "device-with-spec") else None
+    argv = argv[1:] if command else argv
+    args = parser.parse_args(argv)
+    given = explicit_options(parser, argv)
+    if command == "device-with-spec":
+        given = device_with_spec_options(args, given)
+    return cli._shapes(args, given)[1][0].case
+
+
+def test_device_with_spec_command_line():
+    """FBGEMM's `device-with-spec`: T is the length of --embedding-dim-list, its list defaults are FBGEMM's
+    ('128', '100000', and --bag-size-list '20' / --bag-size-sigma-list 'None' read from FBGEMM's click
+    interface), and `device`'s one-value table options, which it does not have, are refused."""
+    import click
+    from fbgemm_gpu.tbe.bench import TbeBenchClickInterface as Fbgemm
+
+    @click.command()
+    @Fbgemm.vbe_options
+    def spec(**_):  # pragma: no cover - never invoked
+        pass
+
+    defaults = {p.name: p.default for p in spec.params}
+    assert defaults == {"bag_size_list": "20", "bag_size_sigma_list": "None"}
+    case = _spec_case(["device-with-spec"])
+    assert (case.command, case.num_tables, case.embedding_dim_list, case.num_embeddings_list) == (
+        "device-with-spec", 1, (128,), (100_000,))
+    assert case.bag_size_list == (int(defaults["bag_size_list"]),) and case.bag_size_sigma_list is None
+    case = _spec_case(["device-with-spec", "--embedding-dim-list", "8,16,4", "--num-embeddings-list", "5,6,7",
+                       "--bag-size-list", "1,2,3", "--bag-size-sigma-list", "0,1,2", "--alpha-list", "None"])
+    assert (case.num_tables, case.bag_size_sigma_list, case.alpha_list) == (3, (0, 1, 2), None)
+    assert case.per_table and case.label().endswith("_fp32_Lsigma_spec")
+    # Without the command word, the lists are `device`'s per-table lists (ours): T is --num-tables.
+    assert _spec_case(["device", "--num-tables", "2", "--embedding-dim-list", "8,8"]).command == "device"
+    for argv, why in ((["--num-tables", "3"], "--num-tables: not options of FBGEMM's device-with-spec"),
+                      (["--mixed", "--bag-size", "4"], "--bag-size, --mixed"),
+                      (["--suite", "smoke"], "say their own command"),
+                      (["--embedding-dim-list", "8,8"], "num_embeddings_list has 1 entries for 2 tables")):
+        with pytest.raises((ValueError, SystemExit), match=why):
+            _spec_case(["device-with-spec", *argv])
+        with pytest.raises(SystemExit):
+            cli.main(["device-with-spec", *argv])
+    with pytest.raises(ValueError, match="reuse > 0"):
+        BenchCase(num_tables=1, bag_size_list=(3,), bag_size_sigma_list=(1,), reuse=0.1)
+    with pytest.raises(ValueError, match="bag_size_sigma_list entries must be >= 0"):
+        BenchCase(num_tables=1, bag_size_sigma_list=(-1,))
+    with pytest.raises(ValueError, match="command 'vbe'"):
+        BenchCase(command="vbe")
+
+
+def test_device_with_spec_batches_are_fbgemms():
+    """The batches of a device-with-spec case are FBGEMM's: its per-table generate_requests calls (sigma_L,
+    Zipf oversampled 5x for bags of at most 5 ids) after np/torch seeds of 42, laid end to end. The one
+    difference: deterministic_output, without which FBGEMM's Zipf ids differ in every process."""
+    argv = ["device-with-spec", "--embedding-dim-list", "8,16,12", "--num-embeddings-list", "400,3000,50",
+            "--bag-size-list", "4,9,2", "--bag-size-sigma-list", "3,4,2", "--batch-size", "16", "--alpha", "1.15",
+            "--iters", "2"]
+    case = _spec_case(argv)
+    ours = make_workload(case, torch.device("cpu")).requests
+
+    np.random.seed(42)
+    torch.manual_seed(42)
+    per_table = []
+    for E, L, sigma in ((400, 4, 3), (3000, 9, 4), (50, 2, 2)):
+        per_table.append(generate_requests(2, 16, 1, L, E, reuse=0.0, alpha=1.15, weighted=False, sigma_L=sigma,
+                                           zipf_oversample_ratio=3 if L > 5 else 5, use_cpu=True,
+                                           index_dtype=torch.long, offset_dtype=torch.long,
+                                           deterministic_output=True))
+    for i, mine in enumerate(ours):
+        indices = torch.cat([r[i].indices for r in per_table])
+        offsets, shift = [per_table[0][i].offsets], int(per_table[0][i].offsets[-1])
+        for r in per_table[1:]:
+            offsets.append(r[i].offsets[1:] + shift)
+            shift += int(r[i].offsets[-1])
+        assert torch.equal(mine.indices, indices) and torch.equal(mine.offsets, torch.cat(offsets))
+    lengths = ours[0].offsets.diff()
+    assert lengths.numel() == 3 * 16 and len(set(lengths.tolist())) > 3  # sizes vary per sample...
+    assert (lengths == 0).any()  # ...and some bags are empty (negative draws clip to 0)
+    assert torch.equal(ours[1].offsets, ours[0].offsets)  # FBGEMM draws the sizes once for every batch
+
+
 def test_mixed_dims_follow_fbgemm():
     """--mixed: FBGEMM's round_up(np.random.randint(0.5 D, 1.5 D), 4) right after np.random.seed(42)."""
     from fbgemm_gpu.tbe.utils import round_up
@@ -172,6 +256,18 @@ def test_log_lines_in_fbgemm_format():
                            "BW:  88.50 GB/s, T: 42us")
     assert newer["alpha"] == 1.15 and newer["W"] is True and newer["T_us"] == 42 and newer["BW_GBps"] == 88.5
     assert parse_log_line("speedup fwd (fbgemm / triton median): 1.000x") is None
+    # FBGEMM's device-with-spec lines print the per-table lists ("Ls: mu [...] sigma [...]" with sigmas).
+    spec_fwd = spec_log_line("", False, 512, [100, 2000], [8, 16], [4, 20], None, False, 1.0, 1.2534, 34.2)
+    assert spec_fwd == ("Forward, B: 512, Es: [100, 2000], T: 2, Ds: [8, 16], Ls: [4, 20], W: False, a: 1.0, "
+                        "BW:  1.25 GB/s, T: 34us")
+    spec_bwd = spec_log_line("triton exact_sgd", True, 512, [100, 2000], [8, 16], [4, 20], [1, 5], False, 1.15,
+                             2.5, 68.0)
+    assert spec_bwd == ("triton exact_sgd Backward, B: 512, Es: [100, 2000], T: 2, Ds: [8, 16], "
+                        "Ls: mu [4, 20] sigma [1, 5], a: 1.15, BW:  2.50 GB/s, T: 68us")
+    assert parse_log_line(spec_bwd) == {
+        "prefix": "triton exact_sgd", "pass": "Backward", "B": 512, "Es": [100, 2000], "T": 2, "Ds": [8, 16],
+        "Ls": "mu [4, 20] sigma [1, 5]", "W": None, "alpha": 1.15, "BW_GBps": 2.5, "T_us": 68}
+    assert parse_log_line("INFO:root:" + spec_fwd)["W"] is False
 
 
 # ------------------------------------------------------------------------------------------ batches
@@ -392,7 +488,9 @@ def test_cli_single_case_forward_only(tmp_path):
      "30,60,7", "--embedding-dim-list", "8,12,16", "--weighted"],  # SUM: FBGEMM's CPU weighted MEAN is off
     ["--num-tables", "2", "--batch-size", "6", "--num-embeddings-list", "20,300", "--alpha-list", "1.0,1.2",
      "--bag-size-list", "3,1", "--embedding-dim", "8"],
-], ids=["sequence", "vbe-per-table", "per-table-fixed-batch"])
+    ["device-with-spec", "--batch-size", "5", "--embedding-dim-list", "8,12,4", "--num-embeddings-list", "40,300,70",
+     "--bag-size-list", "3,1,6", "--bag-size-sigma-list", "2,1,3", "--alpha", "1.15", "--pooling", "mean"],
+], ids=["sequence", "vbe-per-table", "per-table-fixed-batch", "device-with-spec-sigma"])
 def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
     """--pooling none, --batch-size-list (VBE, FBGEMM's vbe command) and the per-table lists: batches per
     table, FBGEMM's byte model per table, and --check against FBGEMM's CPU TBE."""
@@ -404,8 +502,12 @@ def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
     assert all(c["ok"] for c in shape["check"].values())
     case = BenchCase(**{k: tuple(v) if isinstance(v, list) else v for k, v in shape["options"].items()
                         if k not in ("num_requests",)}, num_requests=2)
-    assert shape["lookups"] == case.lookups == sum(case.batch_size_at(t) * case.bag_size_at(t) for t in range(case.num_tables))
-    assert shape["generator"]["lookups"] == case.lookups
+    assert shape["lookups"] == shape["generator"]["lookups"]
+    if case.bag_size_sigma_list is None:
+        assert shape["lookups"] == case.lookups == sum(case.batch_size_at(t) * case.bag_size_at(t)
+                                                       for t in range(case.num_tables))
+    else:  # bag sizes drawn per sample: the expected count is the mean's
+        assert shape["lookups"] != case.lookups and shape["label"].endswith("_fp32_Lsigma_spec_mean")
     if case.vbe:
         assert shape["label"].startswith("Bvbe_")
     assert shape["read_write_bytes"] > 0

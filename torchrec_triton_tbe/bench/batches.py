@@ -91,11 +91,13 @@ _REPEATABLE = ({"deterministic_output": True}
                if "deterministic_output" in inspect.signature(generate_requests).parameters else {})
 
 
-def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha: float, device: torch.device):
+def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha: float, device: torch.device,
+              **table_kwargs):
     try:
         return generate_requests(
             count, B, T, L, E, reuse=case.reuse, alpha=alpha, weighted=case.weighted,
             use_cpu=device.type == "cpu", index_dtype=torch.long, offset_dtype=torch.long, **_REPEATABLE,
+            **table_kwargs,
         )
     except (AttributeError, RuntimeError, NotImplementedError) as exc:
         if alpha > 1.0 and "zipf" in str(exc).lower():
@@ -104,6 +106,19 @@ def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha
                 f"a CUDA build of fbgemm_gpu when CUDA is available; use alpha <= 1 or install fbgemm-gpu (CUDA)"
             ) from exc
         raise
+
+
+def _table_kwargs(case: BenchCase, t: int) -> dict[str, Any]:
+    """generate_requests' per-table arguments. FBGEMM's device-with-spec passes sigma_L (None unless
+    --bag-size-sigma-list) and oversamples Zipf draws 5x for bags of at most 5 ids, 3x (the default)
+    above; the `device` command's per-table lists (ours) keep the default and pass sigma_L only when given
+    (each keyword changes the draws, so a case is only comparable with its own command's batches)."""
+    kwargs: dict[str, Any] = {}
+    if case.bag_size_sigma_list is not None:
+        kwargs["sigma_L"] = case.bag_size_sigma_at(t)
+    if case.command == "device-with-spec":
+        kwargs["zipf_oversample_ratio"] = 3 if case.bag_size_at(t) > 5 else 5
+    return kwargs
 
 
 def _concatenated(per_table: list) -> list:
@@ -130,7 +145,7 @@ def make_workload(case: BenchCase, device: torch.device) -> Workload:
         if case.per_table:
             requests = _concatenated([
                 _generate(case, case.requests_count, case.batch_size_at(t), 1, case.bag_size_at(t),
-                          case.num_embeddings_at(t), case.alpha_at(t), device)
+                          case.num_embeddings_at(t), case.alpha_at(t), device, **_table_kwargs(case, t))
                 for t in range(case.num_tables)
             ])
         else:

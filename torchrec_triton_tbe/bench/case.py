@@ -3,12 +3,16 @@
 Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings_benchmark.py device``
 (``TbeBenchClickInterface.common_options / table_options / device_options`` plus the ``device``
 command's own options), so a command line written for FBGEMM's benchmark means the same here (its
-command name, ``device``, may lead: cli.py drops it). FBGEMM's options for what TritonTBE does not have
+command name, ``device``, may lead: cli.py drops it; ``device-with-spec`` leads a command line of that
+FBGEMM command: per-table lists only, T their length, ``--bag-size-sigma-list`` for bag sizes that vary
+per sample, batches drawn as that command draws them). FBGEMM's options for what TritonTBE does not have
 (``FBGEMM_ONLY_OPTIONS``: UVM / cache placement, SSD, the dense module, request files, traces) are accepted
 at FBGEMM's defaults and refused with the reason otherwise, rather than ignored.
 Per-table ``--num-embeddings-list``, ``--bag-size-list``, ``--alpha-list`` and ``--batch-size-list`` (a
-variable batch per feature) draw the batches table by table, as FBGEMM's ``device-with-spec`` and
-``vbe`` commands. Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
+variable batch per feature) extend ``device``: they draw the batches table by table, as FBGEMM's
+``device-with-spec`` and ``vbe`` commands do, but with generate_requests' default Zipf oversampling
+(those commands oversample bags of at most 5 ids 5x: lead with ``device-with-spec`` for its very batches).
+Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
 Adagrad or EXACT_ADAGRAD, which map onto it; here every optimizer TritonTBE implements, by FBGEMM's
 EmbOptimType names in lower case); the weight types FBGEMM quantizes (int8, fp8, ...) are not offered
 because TritonTBE does not implement them.
@@ -32,7 +36,8 @@ OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad", "exact_adagrad", "adam", "pa
               "partial_rowwise_lamb", "lars_sgd")
 PASSES = ("fwd", "bwd")
 POOLINGS = ("sum", "mean", "none")
-LIST_FIELDS = ("embedding_dim_list", "num_embeddings_list", "bag_size_list", "alpha_list", "batch_size_list")
+LIST_FIELDS = ("embedding_dim_list", "num_embeddings_list", "bag_size_list", "bag_size_sigma_list", "alpha_list",
+               "batch_size_list")
 PRECISIONS = ("fp32", "fp16", "bf16")
 # FBGEMM's BoundsCheckMode values: FATAL, WARNING, IGNORE, NONE, then V2_IGNORE, V2_WARNING, V2_FATAL (which
 # FBGEMM's TBE, and TritonTBE, run as the first three).
@@ -63,8 +68,16 @@ FBGEMM_CACHE_OPTIONS = {
 }
 # FBGEMM parses these case-insensitively.
 _LOWERED = {"managed"}
-# FBGEMM's benchmark commands: `device` is this one; the others take options this CLI does not mirror.
-FBGEMM_COMMAND = "device"
+# FBGEMM's benchmark commands this CLI mirrors (a command line may start with one; `device` when none):
+# `device` (T, E, D, L for every table, or our per-table lists) and `device-with-spec` (per-table lists
+# only, T their length, batches drawn table by table with FBGEMM's Zipf oversampling rule and optional
+# normal bag sizes). FBGEMM's `vbe` command takes another family of option names (--bench-*, --emb-*):
+# its workloads are --batch-size-list here.
+FBGEMM_COMMANDS = ("device", "device-with-spec")
+# Options of FBGEMM's `device` that its `device-with-spec` does not have (the lists replace them).
+NOT_IN_DEVICE_WITH_SPEC = ("num_tables", "num_embeddings", "embedding_dim", "bag_size", "mixed")
+# FBGEMM's device-with-spec defaults for its lists (its click options: "128", "100000", "20").
+DEVICE_WITH_SPEC_LISTS = {"embedding_dim_list": (128,), "num_embeddings_list": (100_000,), "bag_size_list": (20,)}
 # --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
 COMPARE_KERNELS = ("fbgemm", "torchrec_triton")
 
@@ -75,6 +88,8 @@ class BenchCase:
     (``--batch-size`` -> ``batch_size``) and the keys of suite entries."""
 
     name: str = "cli"
+    # The FBGEMM benchmark command whose batches and lines this case reproduces (FBGEMM_COMMANDS).
+    command: str = "device"
     batch_size: int = 512
     num_tables: int = 32
     num_embeddings: int = 100_000
@@ -95,6 +110,10 @@ class BenchCase:
     # rank: batch_size_per_feature_per_rank = [[B_t]], FBGEMM's vbe command).
     num_embeddings_list: Optional[tuple[int, ...]] = None
     bag_size_list: Optional[tuple[int, ...]] = None
+    # Per-table standard deviations of the bag size (FBGEMM's --bag-size-sigma-list): each sample's bag
+    # size is drawn once, int(normal(L_t, sigma_t)) clipped at 0 (so some bags are empty), and the same
+    # sizes are used by every batch (FBGEMM's generate_requests(sigma_L=...)); L_t is then the mean.
+    bag_size_sigma_list: Optional[tuple[int, ...]] = None
     alpha_list: Optional[tuple[float, ...]] = None
     batch_size_list: Optional[tuple[int, ...]] = None
     stoc: bool = False
@@ -135,6 +154,19 @@ class BenchCase:
                 problems.append(f"{field} entries must be >= 1")
         if any(v < 0 for v in self.bag_size_list or ()):
             problems.append("bag_size_list entries must be >= 0")
+        if any(v < 0 for v in self.bag_size_sigma_list or ()):
+            problems.append("bag_size_sigma_list entries must be >= 0")
+        if self.bag_size_sigma_list is not None and self.reuse > 0:
+            # FBGEMM's generate_requests asserts it ("Does not support generating Ls from stats for reuse").
+            problems.append("bag_size_sigma_list with reuse > 0: FBGEMM's generator does not support it")
+        if self.command not in FBGEMM_COMMANDS:
+            problems.append(f"command {self.command!r}: choose from {', '.join(FBGEMM_COMMANDS)}")
+        elif self.command == "device-with-spec":
+            missing = [f for f in DEVICE_WITH_SPEC_LISTS if getattr(self, f) is None]
+            if missing:
+                problems.append(f"command device-with-spec takes per-table lists: {', '.join(missing)} missing")
+            if self.mixed:
+                problems.append("command device-with-spec has no --mixed (its dims are embedding_dim_list)")
         if self.pooling == "none" and (self.mixed or len(set(self.table_dims_static())) > 1):
             problems.append("pooling none needs one embedding dim for every table (FBGEMM's sequence kernels)")
         if self.pooling == "none" and self.batch_size_list is not None:
@@ -167,8 +199,10 @@ class BenchCase:
 
     @property
     def per_table(self) -> bool:
-        """Whether the batches are drawn table by table (any per-table list but the dims)."""
-        return any(getattr(self, f) is not None for f in LIST_FIELDS if f != "embedding_dim_list")
+        """Whether the batches are drawn table by table (device-with-spec, or any per-table list but the
+        dims)."""
+        return self.command == "device-with-spec" or any(
+            getattr(self, f) is not None for f in LIST_FIELDS if f != "embedding_dim_list")
 
     @property
     def vbe(self) -> bool:
@@ -183,11 +217,16 @@ class BenchCase:
     def bag_size_at(self, t: int) -> int:
         return self.bag_size if self.bag_size_list is None else self.bag_size_list[t]
 
+    def bag_size_sigma_at(self, t: int) -> Optional[int]:
+        return None if self.bag_size_sigma_list is None else self.bag_size_sigma_list[t]
+
     def alpha_at(self, t: int) -> float:
         return self.alpha if self.alpha_list is None else self.alpha_list[t]
 
     @property
     def lookups(self) -> int:
+        """Lookups per batch; with bag_size_sigma_list, their expected count (the drawn count is in the
+        workload's generator stats)."""
         return sum(self.batch_size_at(t) * self.bag_size_at(t) for t in range(self.num_tables))
 
     def table_dims_static(self) -> list[int]:
@@ -215,6 +254,8 @@ class BenchCase:
         L = "list" if self.bag_size_list else str(self.bag_size)
         a = "list" if self.alpha_list else f"{self.alpha:g}"
         extra = "".join([
+            "_Lsigma" if self.bag_size_sigma_list else "",
+            "_spec" if self.command == "device-with-spec" else "",
             "_w" if self.weighted else "",
             "_i32" if self.indices_dtype == 32 else "",
             f"_{self.pooling}" if self.pooling != "sum" else "",
@@ -232,16 +273,20 @@ class BenchCase:
 
 
 CASE_FIELDS = tuple(f.name for f in dataclasses.fields(BenchCase) if f.name != "name")
-LIST_KINDS = {"embedding_dim_list": int, "num_embeddings_list": int, "bag_size_list": int, "alpha_list": float,
-              "batch_size_list": int}
+LIST_KINDS = {"embedding_dim_list": int, "num_embeddings_list": int, "bag_size_list": int,
+              "bag_size_sigma_list": int, "alpha_list": float, "batch_size_list": int}
 
 
 def _round_up(a: int, b: int) -> int:
     return (a + b - 1) // b * b
 
 
-def _comma_list(kind, choices: Optional[Sequence[str]] = None):
+def _comma_list(kind, choices: Optional[Sequence[str]] = None, none_ok: bool = False):
+    """A comma-separated option; ``none_ok``: FBGEMM's spelling of "not given", ``None``, gives None."""
+
     def parse(text: str):
+        if none_ok and str(text).strip() == "None":
+            return None
         items = tuple(kind(x.strip()) for x in str(text).split(",") if x.strip())
         if choices is not None:
             bad = [x for x in items if x not in choices]
@@ -311,7 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit per-table D, comma-separated (as FBGEMM's device-with-spec)")
     x.add_argument("--num-embeddings-list", type=_comma_list(int), default=None, help="per-table rows (E)")
     x.add_argument("--bag-size-list", type=_comma_list(int), default=None, help="per-table bag sizes (L)")
-    x.add_argument("--alpha-list", type=_comma_list(float), default=None, help="per-table Zipf alphas")
+    x.add_argument("--bag-size-sigma-list", type=_comma_list(int, none_ok=True), default=None,
+                   help="per-table standard deviations of the bag size (FBGEMM's device-with-spec): sizes drawn "
+                   "once per sample from int(normal(L_t, sigma_t)), negatives 0; 'None' (FBGEMM's default): fixed")
+    x.add_argument("--alpha-list", type=_comma_list(float, none_ok=True), default=None,
+                   help="per-table Zipf alphas ('None': --alpha for every table)")
     x.add_argument("--batch-size-list", type=_comma_list(int), default=None,
                    help="per-table batch sizes: a variable batch per feature (VBE), as FBGEMM's vbe command")
     x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
@@ -333,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--fused-bounds-check", action="store_true", help="TritonTBE fused_bounds_check=True")
     x.add_argument("--hoist-transpose", action="store_true", help="TritonTBE hoist_transpose=True")
     x.add_argument("--verbose", action="store_true", help="keep FBGEMM's INFO logging")
+    # Not an option: the command word that may lead the command line (cli.py), `device` unless named.
+    p.set_defaults(command=default.command)
     return p
 
 
@@ -343,6 +394,23 @@ def check_fbgemm_only_options(args: argparse.Namespace) -> Optional[str]:
         if value != default:
             return f"--{name.replace('_', '-')} {value}: not supported: {why}"
     return None
+
+
+def device_with_spec_options(args: argparse.Namespace, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The explicit options of a ``device-with-spec`` command line, completed as FBGEMM's command reads
+    them: its list defaults, T = len(--embedding-dim-list). Its options that FBGEMM's ``device-with-spec``
+    does not have (one T, E, D or L for every table, --mixed) are refused, as FBGEMM's click refuses them."""
+    if args.suite:
+        raise ValueError("device-with-spec with --suite: a suite's shapes say their own command (`command:`)")
+    foreign = [f for f in NOT_IN_DEVICE_WITH_SPEC if f in given]
+    if foreign:
+        flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
+        raise ValueError(f"{flags}: not options of FBGEMM's device-with-spec (its tables are --embedding-dim-list, "
+                         "--num-embeddings-list and --bag-size-list, T their length)")
+    out = {**DEVICE_WITH_SPEC_LISTS, **given, "command": "device-with-spec"}
+    out["num_tables"] = len(out["embedding_dim_list"])
+    args.command = "device-with-spec"
+    return out
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
@@ -380,6 +448,9 @@ def case_from_mapping(values: Mapping[str, Any], name: str) -> BenchCase:
                 raise ValueError(f"{name}: {key} must be an integer, got {value}")
             value = int(value)
         kwargs[field] = value
+    if kwargs.get("command") == "device-with-spec" and "num_tables" not in kwargs and \
+            kwargs.get("embedding_dim_list") is not None:
+        kwargs["num_tables"] = len(kwargs["embedding_dim_list"])  # FBGEMM's: T = len(embedding-dim-list)
     return BenchCase(name=name, **kwargs)
 
 

@@ -33,8 +33,9 @@ from torchrec_triton_tbe.bench import peers
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import (
     CASE_FIELDS,
-    FBGEMM_COMMAND,
+    FBGEMM_COMMANDS,
     check_fbgemm_only_options,
+    device_with_spec_options,
     SuiteShape,
     build_parser,
     case_from_mapping,
@@ -99,14 +100,20 @@ def _summary(record: dict[str, Any]) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [FBGEMM_COMMAND]:
-        argv = argv[1:]  # FBGEMM's command line names its command first; this CLI is that command
+    command = None
+    if argv[:1] and argv[0] in FBGEMM_COMMANDS:
+        command, argv = argv[0], argv[1:]  # FBGEMM's command line names its command first
     parser = build_parser()
     args = parser.parse_args(argv)
     given = explicit_options(parser, argv)
     refused = check_fbgemm_only_options(args)
     if refused:
         parser.error(refused)
+    if command == "device-with-spec":
+        try:
+            given = device_with_spec_options(args, given)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.check and not args.compare:
         parser.error("--check compares against another kernel: add --compare fbgemm (and/or torchrec_triton)")
     compare = tuple(dict.fromkeys(args.compare or ()))  # as given, once each

@@ -69,6 +69,19 @@ def log_line(prefix: str, backward: bool, B: int, E: int, T: int, D, L: int, wei
     return f"{prefix} {line}" if prefix else line
 
 
+def spec_log_line(prefix: str, backward: bool, B: int, Es: Sequence[int], Ds: Sequence[int], Ls: Sequence[int],
+                  sigmas: Optional[Sequence[int]], weighted: bool, alpha, bw_gbps: float, us: float) -> str:
+    """FBGEMM's ``device-with-spec`` line, e.g. ``Forward, B: 512, Es: [100, 2000], T: 2, Ds: [8, 16], Ls: [4,
+    20], W: False, a: 1.0, BW:  1.25 GB/s, T: 34us`` (``Ls: mu [...] sigma [...]`` with bag-size sigmas; the
+    Backward line has no ``W:``); ``alpha`` is FBGEMM's one alpha, or our per-table list."""
+    pass_ = "Backward" if backward else "Forward"
+    Ls_str = f"{list(Ls)}" if sigmas is None else f"mu {list(Ls)} sigma {list(sigmas)}"
+    weighted_part = "" if backward else f"W: {weighted}, "
+    line = (f"{pass_}, B: {B}, Es: {list(Es)}, T: {len(Ds)}, Ds: {list(Ds)}, Ls: {Ls_str}, {weighted_part}"
+            f"a: {alpha}, BW: {bw_gbps: .2f} GB/s, T: {us:.0f}us")
+    return f"{prefix} {line}" if prefix else line
+
+
 _LINE = re.compile(
     r"^(?P<prefix>.*?)\s*(?P<pass_>Forward|Backward), B: (?P<B>\d+), E: (?P<E>\d+), T: (?P<T>\d+), "
     r"D: (?P<D>[\d.]+), L: (?P<L>\d+), (?:W: (?P<W>True|False), )?(?:a: (?P<a>[\d.]+), )?"
@@ -76,8 +89,28 @@ _LINE = re.compile(
 )
 
 
+_SPEC_LINE = re.compile(
+    r"^(?P<prefix>.*?)\s*(?P<pass_>Forward|Backward), B: (?P<B>\d+), Es: \[(?P<Es>[\d, ]*)\], T: (?P<T>\d+), "
+    r"Ds: \[(?P<Ds>[\d, ]*)\], Ls: (?P<Ls>.*?), (?:W: (?P<W>True|False), )?a: (?P<a>[^B]*?), "
+    r"BW:\s*(?P<BW>[\d.]+)\s*GB/s, T: (?P<us>\d+)us$"
+)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_log_line(line: str) -> Optional[dict[str, Any]]:
-    """Parse a Forward/Backward line (ours or FBGEMM's, with or without FBGEMM's newer ``a:`` field)."""
+    """Parse a Forward/Backward line (ours or FBGEMM's, with or without FBGEMM's newer ``a:`` field; the
+    ``device-with-spec`` lines give ``Es``, ``Ds`` lists and ``Ls`` as printed, in place of E, D, L)."""
+    spec = _SPEC_LINE.match(line.strip())
+    if spec:
+        d = spec.groupdict()
+        return {
+            "prefix": d["prefix"], "pass": d["pass_"], "B": int(d["B"]), "Es": _ints(d["Es"]), "T": int(d["T"]),
+            "Ds": _ints(d["Ds"]), "Ls": d["Ls"], "W": None if d["W"] is None else d["W"] == "True",
+            "alpha": float(d["a"]) if re.fullmatch(r"[\d.]+", d["a"]) else d["a"], "BW_GBps": float(d["BW"]), "T_us": int(d["us"]),
+        }
     m = _LINE.match(line.strip())
     if not m:
         return None

@@ -33,7 +33,7 @@ from torchrec_triton_tbe._fbgemm import (
 from torchrec_triton_tbe.bench import peers
 from torchrec_triton_tbe.bench.batches import Workload
 from torchrec_triton_tbe.bench.case import COMPARE_KERNELS, OPTIMIZERS
-from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps, log_line
+from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps, log_line, spec_log_line
 from torchrec_triton_tbe.bench.timing import time_steps
 from torchrec_triton_tbe.module import TritonTBE
 
@@ -308,6 +308,17 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
     E = round(sum(case.num_embeddings_at(t) for t in range(T)) / T)
     L = round(sum(case.bag_size_at(t) for t in range(T)) / T)
     alpha = round(sum(case.alpha_at(t) for t in range(T)) / T, 4)
+    if case.command == "device-with-spec":  # its lines print the lists
+        Ls = [case.bag_size_at(t) for t in range(T)]
+        sigmas = None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list)
+        alpha_shown = case.alpha if case.alpha_list is None else list(case.alpha_list)
+
+        def line(prefix: str, backward: bool, bw: float, us: float) -> str:
+            return spec_log_line(prefix, backward, B, [case.num_embeddings_at(t) for t in range(T)], w.Ds, Ls,
+                                 sigmas, case.weighted, alpha_shown, bw, us)
+    else:
+        def line(prefix: str, backward: bool, bw: float, us: float) -> str:
+            return log_line(prefix, backward, B, E, T, w.D_logged, L, case.weighted, bw, us, alpha)
     rw_bytes = case_bytes(case, w.Ds)
     param_bytes = BYTES_PER_ELEMENT[case.weights_precision]
     nparams = sum(d * case.num_embeddings_at(t) for t, d in enumerate(w.Ds))
@@ -324,7 +335,7 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
         "label": case.label(),
         "options": case.options(),
         "Ds": list(w.Ds),
-        "lookups": case.lookups,
+        "lookups": stats["lookups"],  # drawn (case.lookups: the expected count, the same without sigmas)
         "read_write_bytes": rw_bytes,
         "generator": stats,
         "baseline_ms": baseline_ms,
@@ -357,8 +368,7 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
                 continue
             bw = gbps(rw_bytes, timing.median_ms, backward)
             entry[kernel] = {**timing.as_dict(), "gbps": bw}
-            emit(log_line(f"{kernel}{prefix_extra}", backward, B, E, T, w.D_logged, L, case.weighted, bw,
-                          timing.median_ms * 1e3, alpha))
+            emit(line(f"{kernel}{prefix_extra}", backward, bw, timing.median_ms * 1e3))
         for kernel in kernels[1:]:
             if "median_ms" not in entry[kernel]:
                 continue
