@@ -385,6 +385,7 @@ def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch
     checked too."""
     from torchrec_triton_tbe.config import load_named
     from torchrec_triton_tbe.ops import backward as bwd_ops
+    from torchrec_triton_tbe.ops import launch as launch_ops
 
     fake = ["s0", "s1", "s2", "s3"]
     asked, placed = [], []
@@ -399,7 +400,7 @@ def test_split_paths_put_short_and_long_kernels_on_their_own_streams(monkeypatch
         return real(kernel, bcfg, device, args, constexprs, num_warps, maxnreg=maxnreg)
 
     monkeypatch.setattr(bwd_ops, "bucket_streams", streams)
-    monkeypatch.setattr(bwd_ops, "join_streams", lambda streams, device: None)
+    monkeypatch.setattr(launch_ops, "join_streams", lambda streams, device: None)
     monkeypatch.setattr(bwd_ops, "_launch_persistent", spy)
     base = load_named("interpreter").replace_backward(long_path="split")
     cfg = base.replace_backward(**{"bucket_streams": 4, **knobs})
@@ -460,10 +461,12 @@ def test_side_streams_are_joined_when_a_launch_raises(monkeypatch, where):
     from torchrec_triton_tbe.ops import backward as bwd_ops
     from torchrec_triton_tbe.ops import forward as fwd_ops
 
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
     ops = fwd_ops if where == "forward" else bwd_ops
     joined = []
     monkeypatch.setattr(ops, "bucket_streams", lambda *args: ["main", "side"])
-    monkeypatch.setattr(ops, "join_streams", lambda streams, device: joined.append(list(streams)))
+    monkeypatch.setattr(launch_ops, "join_streams", lambda streams, device: joined.append(list(streams)))
 
     def fail(*args, **kwargs):
         raise RuntimeError("compile failed")
@@ -474,3 +477,12 @@ def test_side_streams_are_joined_when_a_launch_raises(monkeypatch, where):
     with pytest.raises(RuntimeError, match="compile failed"):
         ours(batch.indices, batch.offsets).sum().backward()
     assert joined == [["main", "side"]]
+
+    # A join that fails too (a sticky CUDA error) is noted on the launch's error, which stays the one raised.
+    def broken_join(streams, device):
+        raise RuntimeError("sticky error")
+
+    monkeypatch.setattr(launch_ops, "join_streams", broken_join)
+    with pytest.raises(RuntimeError, match="compile failed") as info:
+        ours(batch.indices, batch.offsets).sum().backward()
+    assert any("sticky error" in note for note in getattr(info.value, "__notes__", []))

@@ -83,8 +83,8 @@ def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
     state = m.optimizer_tensors()
     seen = []
 
-    def body(i, o, g, w):
-        seen.append((i, o, g, w))
+    def body(st, i, o, g, w):
+        seen.append((st, i, o, g, w))
 
     # Three keys (static counts 1024, 1536, 2304), then the first again: graph_cache=2 dropped it, so
     # it starts over with an eager call (a second call of a live key would capture: not on a CPU).
@@ -92,8 +92,12 @@ def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
         idx = torch.arange(n) % 20
         off = torch.tensor([0, n // 3, n // 2, n], dtype=torch.int64)
         grad = torch.randn(1, m.total_D)
-        graphs.run(spec, state, idx, off, grad, None, 1, body)
-        i, o, g, w = seen[-1]
+        step = torch.tensor([n], dtype=torch.int64)  # the forward's own count (autograd.StepVersion)
+        graphs.run(spec, state, idx, off, grad, None, step, 1, body)
+        st, i, o, g, w = seen[-1]
+        # The count is a static input as the ids: loaded into the key's own slot, not the module's iter.
+        assert torch.equal(st.step, step) and st.step.data_ptr() not in (step.data_ptr(), state.step.data_ptr())
+        assert st.weights is state.weights and st.learning_rate is state.learning_rate
         assert i.numel() == padded_lookups(n) and torch.equal(i[:n], idx)
         assert torch.equal(o, off) and w is None
         assert i.data_ptr() != idx.data_ptr() and o.data_ptr() != off.data_ptr()
@@ -110,7 +114,7 @@ def test_gradient_slots_read_in_place_until_the_addresses_vary():
 
     m, spec = _spec_with(graph_cache=2)
     idx, off = torch.arange(6) % 20, torch.tensor([0, 2, 4, 6])
-    entry = graph_ops._Entry(spec, idx, off, None, 8, None)
+    entry = graph_ops._Entry(spec, idx, off, None, torch.zeros(1, dtype=torch.int64), 8, None)
     held = []  # alive, so every gradient below has an address of its own
     for _ in range(graph_ops.DIRECT_GRAPHS):
         g = torch.randn(1, m.total_D)

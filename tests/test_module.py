@@ -460,3 +460,51 @@ def test_torch_compile_runs_the_module_eagerly_between_graphs():
     assert_close(compiled.tbe.momentum1, eager.tbe.momentum1, "momentum", 1e-6, 1e-6)
     assert_close(compiled.lin.weight.grad, eager.lin.weight.grad, "dense grad", 1e-6, 1e-6)
     assert int(compiled.tbe.iter) == int(eager.tbe.iter) == 2
+
+
+def test_module_copies_after_a_forward_without_its_last_stream():
+    """The stream of the last forward (TritonTBE._follow_last_stream) is not part of a copy: a CUDA
+    stream can be neither deep-copied nor pickled (review of session 38), and a copy has run no forward.
+    A stand-in that cannot be copied either takes the stream's place here (no GPU)."""
+    import copy
+    import pickle
+    import threading
+
+    m = TritonTBE([(20, 8)], optimizer=EmbOptimType.ADAM, device="cpu")
+    m(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
+    m._last_stream.stream = threading.Lock()
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert twin._last_stream.stream is None and int(twin.iter) == int(m.iter) == 1
+        assert torch.equal(twin.weights, m.weights) and torch.equal(twin.momentum2, m.momentum2)
+    assert m.placeholder_autograd_tensor.dtype == torch.float32  # FBGEMM's, whatever the default dtype
+
+
+
+def test_a_forward_on_another_stream_waits_for_the_last_one_except_in_a_capture(monkeypatch):
+    """TritonTBE._follow_last_stream, with stand-in CUDA streams (no GPU): before ``iter`` is written, the
+    current stream waits for the last forward's stream when it is another one; never inside a CUDA-graph
+    capture (review of session 38: a capture's stream may not wait for work outside it)."""
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    a, b, capture = FakeStream("a"), FakeStream("b"), FakeStream("capture")
+    current, capturing = [a], [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    m = TritonTBE([(20, 8)], optimizer=EmbOptimType.ADAM, device="cpu")
+    m.current_device = torch.device("cuda", 0)  # only _follow_last_stream reads it below
+    m._follow_last_stream()  # the first forward: nothing to wait for
+    m._follow_last_stream()  # the same stream again: stream order suffices
+    current[0] = b
+    m._follow_last_stream()
+    assert (a.waited, b.waited) == ([], ["a"])
+    current[0], capturing[0] = capture, True
+    m._follow_last_stream()  # inside a capture: no wait on work outside it
+    assert capture.waited == [] and m._last_stream.stream is capture
+    current[0], capturing[0] = a, False
+    m.set_optimizer_step(7)  # writes iter on a: after the capture stream's work
+    assert a.waited == ["capture"]

@@ -54,32 +54,49 @@ class HyperVersion:
 
 
 class StepVersion:
-    """The step count one forward ran under (FBGEMM's ``iter``).
+    """The step count one training forward ran under (FBGEMM's ``iter``).
 
     FBGEMM's forward advances its count and passes the new value to its backward as an argument, so a
-    backward's bias correction is its own forward's count even when other forwards ran in between (an
-    eval forward, TorchRec's semi-synchronous pipeline, which runs the next batch's lookup before this
-    one's backward). The module's ``iter`` buffer holds the last forward's count; the backward reads it
-    unless it moved since its forward, in which case it reads ``saved``, a copy the module made before
-    moving it (``TritonTBE._settle_step``). ``recorded``: autograd recorded the forward, so a backward
-    may come, also again (a retry after an error, ``retain_graph``): such a forward gets its copy
-    whenever the count moves after it. ``stream``: the CUDA stream the forward ran on, where its
-    backward runs (autograd's rule), hence where the count it reads must be ordered."""
+    backward's bias correction is its own forward's count whatever ran in between (an eval forward,
+    TorchRec's semi-synchronous pipeline, which runs the next batch's lookup before this one's backward,
+    ``set_optimizer_step``, a checkpoint load). The module's forward advances its ``iter`` buffer and,
+    when autograd recorded the forward (a backward may come, also again: a retry after an error,
+    ``retain_graph``), copies the new count into ``saved``: one small device copy per training forward,
+    made on the forward's stream, which is where autograd runs its backward. The backward applies that
+    copy and never reads ``iter``, so nothing it does races with later forwards on other streams."""
 
-    __slots__ = ("saved", "recorded", "stream")
+    __slots__ = ("saved",)
 
-    def __init__(self, recorded: bool = False, stream=None) -> None:
+    def __init__(self) -> None:
         self.saved: Optional[torch.Tensor] = None
-        self.recorded = recorded
-        self.stream = stream
+
+
+class LastStream:
+    """The CUDA stream of a module's last forward (None: none yet, or not on CUDA): the next forward on
+    another stream waits for it before it advances the shared ``iter`` buffer. Not copied with the
+    module (a copy has run no forward; a stream cannot be pickled or deep-copied)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream = None
+
+    def __deepcopy__(self, memo) -> "LastStream":
+        return LastStream()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.stream = None
 
 
 @contextlib.contextmanager
 def swapped_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """A captured backward reads the module's lr, hyper-parameter and step buffers where it was
-    captured: for each (buffer, forward's value) pair the forward's value goes into the buffer for the
-    replay and the current one comes back after, in stream order on the backward's stream, with no
-    sync."""
+    """A captured backward reads the module's lr and hyper-parameter buffers where it was captured: for
+    each (buffer, forward's value) pair the forward's value goes into the buffer for the replay and the
+    current one comes back after, in stream order on the backward's stream, with no sync. (The step
+    count is a static input of the graph instead: ops/graphs.py.)"""
     current = [buffer.clone() for buffer, _ in pairs]
     for buffer, saved in pairs:
         buffer.copy_(saved)
@@ -134,17 +151,13 @@ class TBEFunction(torch.autograd.Function):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state
-        # The forward's learning rate, hyper-parameters and step count (HyperVersion, StepVersion) where
-        # they have moved since: eager launches take the copies as arguments (the module's buffers are
-        # not written, whatever stream this backward runs on); a replayed graph swaps them in.
-        step = ctx.step
+        # The forward's step count (StepVersion: always its own copy), and its learning rate and
+        # hyper-parameters where they have moved since (HyperVersion): eager launches take them as
+        # arguments; a replayed graph loads the count into its static slot and swaps lr / hyper in.
+        step = ctx.step.saved if ctx.step.saved is not None else state.step
         saved = {}
         if ctx.hyper.saved is not None:
             saved.update(learning_rate=ctx.hyper.saved[0], hyper=ctx.hyper.saved[1])
-        if step.saved is not None:
-            saved.update(step=step.saved)
-        if saved:
-            state = dataclasses.replace(state, **saved)
         if call.check_finite:
             bounds_ops.check_finite("grad_output", grad_out)
         passthrough = grad_out  # merged VBE: the other kernels' gradient, unclipped
@@ -170,13 +183,14 @@ class TBEFunction(torch.autograd.Function):
             and graph_ops.BackwardGraphs.applies(spec, indices.numel(), grad_out.device)
         ):
             # Same device work as below, replayed from a CUDA graph (ops/graphs.py: launch-bound batches).
-            def body(i, o, g, w):
-                bwd_ops.backward_step(spec, call.state, None, i, o, g, w, B)
+            def body(st, i, o, g, w):
+                bwd_ops.backward_step(spec, st, None, i, o, g, w, B)
 
             swaps = [(getattr(call.state, name), value) for name, value in saved.items()]
             with swapped_in(swaps) if swaps else contextlib.nullcontext():
-                call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, B, body)
+                call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, step, B, body)
         else:
+            state = dataclasses.replace(state, step=step, **saved)
             runs = bwd_ops.backward_step(spec, state, runs, indices, offsets, grad_out, per_sample_weights, B, vbe)
             if call.on_runs is not None:
                 call.on_runs(runs)

@@ -26,7 +26,7 @@ from torchrec_triton_tbe._fbgemm import (
     WeightDecayMode,
 )
 from torchrec_triton_tbe import compat
-from torchrec_triton_tbe.autograd import HyperVersion, LookupCall, StepVersion, TBEFunction
+from torchrec_triton_tbe.autograd import HyperVersion, LastStream, LookupCall, StepVersion, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import vbe as vbe_ops
@@ -214,7 +214,7 @@ class TritonTBE(nn.Module):
         self._hyper_version = HyperVersion()
         # Advanced by each forward, as FBGEMM's (autograd.StepVersion); seeds stochastic rounding too.
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
-        self._step_version = StepVersion()
+        self._last_stream = LastStream()
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
         # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
         self.register_buffer("_bounds_repair_flag", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
@@ -223,7 +223,7 @@ class TritonTBE(nn.Module):
         # zero-size Parameter, as FBGEMM's: the module's parameters() list it (and it alone, as FBGEMM's
         # on the GPU, whose weights are buffers), so ``next(module.parameters()).device`` works, and
         # ``module.to`` moves it.
-        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=dev))
+        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, dtype=torch.float32, device=dev))
 
         config = load_config(dev, kernel_config)
         plan = _with_small_tables(plan, config, pooling_mode == PoolingMode.NONE)
@@ -343,36 +343,32 @@ class TritonTBE(nn.Module):
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)
-        stream = torch.cuda.current_stream(self.current_device) if self.current_device.type == "cuda" else None
-        step = StepVersion(recorded=torch.is_grad_enabled(), stream=stream)
+        step = StepVersion()
         out = TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
             None if vbe is None else vbe.output, call, vbe, self._hyper_version, step,
         )
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
-        # count. Advanced once the forward has not raised (no kernel of it reads the count).
-        self._settle_step()
+        # count. Advanced once the forward has not raised (no kernel of it reads the count); a forward
+        # autograd recorded keeps a copy of its count for its backward (autograd.StepVersion).
+        self._follow_last_stream()
         self.iter.add_(1)
-        self._step_version = step
+        if torch.is_grad_enabled():
+            step.saved = self.iter.clone()
         return out
 
-    def _settle_step(self) -> None:
-        """Before ``iter`` moves: the last forward, if autograd recorded it (a backward may still come,
-        or come again), keeps a copy of its count, one small device copy per training forward. On
-        CUDA, where the last forward ran on another stream than the current one (a pipeline's lookup
-        stream, then an eval loop's), the current stream first waits for it (its backward's kernels
-        may still read ``iter``) and its stream then waits for the copy, which its backward reads."""
-        last = self._step_version
-        other = None
-        if last.stream is not None:
-            now = torch.cuda.current_stream(self.current_device)
-            if now != last.stream:
-                other = last.stream
-                now.wait_stream(other)
-        if last.recorded and last.saved is None:
-            last.saved = self.iter.clone()
-            if other is not None:
-                other.wait_stream(now)
+    def _follow_last_stream(self) -> None:
+        """Before ``iter`` is written: on CUDA, where the last forward ran on another stream (a
+        pipeline's lookup stream, then an eval loop's), the current stream waits for it, so the two
+        forwards' advances of the shared count do not race. Not inside a CUDA-graph capture: the
+        capture's stream may not wait for work outside it (a user's capture of the whole step warms up
+        on a side stream first, and PyTorch's recipe orders that stream before capturing)."""
+        if self.current_device.type != "cuda":
+            return
+        now = torch.cuda.current_stream(self.current_device)
+        last, self._last_stream.stream = self._last_stream.stream, now
+        if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
+            now.wait_stream(last)
 
     def precompile(self, indices: torch.Tensor, offsets: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor] = None,
@@ -537,7 +533,7 @@ class TritonTBE(nn.Module):
         # Saved since it became a Parameter (as FBGEMM saves it); zero-size, so older checkpoints lack
         # nothing by lacking it.
         state_dict.setdefault(prefix + "placeholder_autograd_tensor", self.placeholder_autograd_tensor.detach())
-        self._settle_step()  # a loaded step count is for later forwards
+        self._follow_last_stream()  # a loaded step count is for later forwards
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_learning_rate(self) -> float:
@@ -573,7 +569,7 @@ class TritonTBE(nn.Module):
         forward already run keeps its own count for its backward. FBGEMM behaves so on a module that
         has not run a forward yet (TorchRec's restore); once it has, its updates keep counting from its
         host copy of the count and only the saved ``iter`` changes (fbgemm_gpu 1.9)."""
-        self._settle_step()
+        self._follow_last_stream()
         self.iter.fill_(step)
 
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:

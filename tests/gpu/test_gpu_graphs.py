@@ -91,8 +91,9 @@ def test_replays_apply_their_forwards_step_count():
 def test_forwards_on_other_streams_apply_their_own_step_count():
     """A pipeline's lookups on a side stream (their backwards run there too, autograd's rule), then eval
     forwards on the default stream, then lookups on the side stream again in semi-synchronous order: the
-    count each backward applies and the weights equal those of the same calls all on one stream (the
-    module orders the count's writes across the two streams, TritonTBE._settle_step)."""
+    count each backward applies and the weights equal those of the same calls all on one stream (each
+    backward applies its forward's own copy of the count; forwards on another stream than the last one
+    wait for it before advancing the count, TritonTBE._follow_last_stream)."""
     graphed, eager = two_modules(EmbOptimType.ADAM)
     grads = [torch.randn(512, eager.total_D, device=DEV, generator=torch.Generator(DEV).manual_seed(s))
              for s in range(4)]
@@ -112,6 +113,37 @@ def test_forwards_on_other_streams_apply_their_own_step_count():
     assert int(graphed.iter) == int(eager.iter) == 4 + 2 + 4
     for name in ("weights", "momentum1", "momentum2"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+def test_an_eval_forward_on_another_stream_before_a_replayed_backward():
+    """A training forward on a side stream, an eval forward on the default stream with no wait between
+    them, then the training forward's backward replayed on the side stream: the replay loads its
+    forward's own count into the graph's slot and never touches the module's ``iter``, which the eval
+    forward advances meanwhile (review of session 38: the count used to be swapped into ``iter`` for
+    the replay). Counts and weights as the same calls on one stream; the module deep-copies after
+    forwards on CUDA streams (the last one's stream is not copied)."""
+    import copy
+
+    graphed, eager = two_modules(EmbOptimType.ADAM)
+    grads = [torch.randn(512, eager.total_D, device=DEV, generator=torch.Generator(DEV).manual_seed(s))
+             for s in range(5)]
+    side = torch.cuda.Stream(DEV)
+    side.wait_stream(torch.cuda.current_stream(DEV))
+    for m, stream in ((graphed, side), (eager, torch.cuda.current_stream(DEV))):
+        for step in range(5):
+            with torch.cuda.stream(stream):
+                out = m(*batch(step % 2, nb=512)[:2])
+            with torch.no_grad():
+                m(*batch(3, nb=512)[:2])  # eval, default stream
+            with torch.cuda.stream(stream):
+                out.backward(grads[step])
+    torch.cuda.synchronize()
+    assert graphed._backward_graphs.replays >= 2, graphed._backward_graphs.replays
+    assert int(graphed.iter) == int(eager.iter) == 10
+    for name in ("weights", "momentum1", "momentum2"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+    twin = copy.deepcopy(graphed)
+    assert torch.equal(twin.weights, graphed.weights) and twin._last_stream.stream is None
 
 
 def test_capture_and_replay_do_not_sync():

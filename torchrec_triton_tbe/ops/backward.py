@@ -25,7 +25,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, join_streams, launch
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, joined, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
 from torchrec_triton_tbe.ops.vbe import VBELayout
@@ -212,21 +212,20 @@ def fused_update(
     live = [k for k, bucket in enumerate(plan.buckets) if bucket.features]
     # The buckets update disjoint rows and read their own chunks of the workspace, so they may run side
     # by side (backward.bucket_streams): a bucket's kernels stay on one stream, in order (its apply
-    # reads its partials), and the join below orders everything after them, the next forward's step
-    # increment (the step counter they read) included.
+    # reads its partials), and the join below orders everything after them.
     weights = [len(plan.buckets[k].features) * plan.buckets[k].block_d for k in live]
     num_lanes, lanes = update_lanes(bcfg, weights, runs.num_lookups, small)
     streams = bucket_streams(bcfg, num_lanes, runs.num_lookups, device)
-    if small:
-        # The path takes the small tables' features with enough lookups this call, decided on the
-        # device; the generic kernels below apply the others' runs (the taken ones have none). The two
-        # touch disjoint rows, so their order does not matter.
-        for g, group in enumerate(plan.small_groups):
-            if group.features:
-                small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
-    # Joined whatever happens: kernels already queued on the side streams read tensors this frame
-    # frees if a launch raises (a first-call compile error), and only the join orders their reuse.
-    try:
+    # Joined whatever happens (launch.joined), from the fork on: inside a CUDA-graph capture the forked
+    # streams are branches of the capture, which must rejoin even when a launch raises.
+    with joined(streams, device):
+        if small:
+            # The path takes the small tables' features with enough lookups this call, decided on the
+            # device; the generic kernels below apply the others' runs (the taken ones have none). The
+            # two touch disjoint rows, so their order does not matter.
+            for g, group in enumerate(plan.small_groups):
+                if group.features:
+                    small_table.backward(spec, g, optim_state, grad_out, indices, offsets, per_sample_weights, B)
         for j, k in enumerate(live):
             bucket = plan.buckets[k]
             stream, long_stream = (streams[lane % len(streams)] for lane in lanes[j]) if streams else (None, None)
@@ -357,9 +356,6 @@ def fused_update(
                 long_warps,
                 long_stream,
             )
-    finally:
-        if streams:
-            join_streams(streams, device)
 
 
 def backward_step(

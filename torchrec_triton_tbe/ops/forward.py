@@ -16,7 +16,7 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, join_streams, launch, mean_bag_pow2
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, joined, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -84,7 +84,7 @@ def pooled_forward(
     head = arg_key((weights, indices, offsets, psw, out))
     mid = arg_key((out_offset,))
     tail = arg_key((warning, B, plan.total_D))
-    try:
+    with joined(streams, weights.device):  # also when a launch raises: see launch.joined
         for i, (features, cols, grid, constexprs, warps, (plan_a, plan_b)) in enumerate(launches):
             args = (
                 weights,
@@ -104,9 +104,6 @@ def pooled_forward(
             )
             launch(_pooled_forward_kernel, grid, args, constexprs, warps, key=head + plan_a + mid + plan_b + tail,
                    stream=streams[i % len(streams)] if streams else None)
-    finally:
-        if streams:  # joined even when a launch raises: see ops/backward.fused_update
-            join_streams(streams, weights.device)
     return out
 
 

@@ -10,9 +10,11 @@ host time, 0.27 ms event-timed on that shape (docs/performance.md).
 
 What a capture bakes in, and therefore keys a graph: the spec (tables, config), B, the padded lookup
 count, the dtypes of ids / offsets / gradient / per-sample weights, the addresses of the weights,
-optimizer state, learning rate, hyper-parameter and step tensors (read at replay time: the
-forward's step count, ``set_learning_rate``, ``update_hyper_parameters`` and ``set_optimizer_step``
-are seen; a forward whose values moved since swaps its own in, autograd.swapped_in).
+optimizer state, learning rate and hyper-parameter tensors (read at replay time: ``set_learning_rate``
+and ``update_hyper_parameters`` are seen; a forward whose values moved since swaps its own in,
+autograd.swapped_in). The step count is the forward's own copy (autograd.StepVersion), a static input
+loaded like the ids: the replay never reads or writes the module's ``iter``, which forwards on other
+streams may be advancing meanwhile.
 
 The output gradient is read where it lies, not copied. It is the largest input (B x total_D, 4 bytes
 an element: 0.87 GB at 65,536 bags of 26 x 128 columns), and a copy into a static buffer cost as much
@@ -46,6 +48,7 @@ step) the backward runs eagerly into that capture.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -70,23 +73,25 @@ def padded_lookups(n: int) -> int:
 class _Entry:
     """One key's static inputs and, from its second call on, its graphs."""
 
-    def __init__(self, spec, indices, offsets, psw, n_static: int, stream) -> None:
+    def __init__(self, spec, indices, offsets, psw, step, n_static: int, stream) -> None:
         self.spec = spec  # keeps id(spec) in the key unique while the entry lives
         self.stream = stream  # the stream its copies and replays go on (None on a CPU)
         self.indices = torch.zeros(n_static, dtype=indices.dtype, device=indices.device)
         self.offsets = torch.empty_like(offsets)
         self.psw = torch.zeros(n_static, dtype=psw.dtype, device=psw.device) if psw is not None else None
+        self.step = torch.empty_like(step)
         self.grad_out: Optional[torch.Tensor] = None  # the static copy, made once the addresses vary
         # Gradient address -> graph reading it in place; None -> the graph reading self.grad_out.
         self.graphs: "dict[Optional[int], torch.cuda.CUDAGraph]" = {}
         self.calls = 0
 
-    def load(self, indices, offsets, psw) -> None:
+    def load(self, indices, offsets, psw, step) -> None:
         # Slots [N, n_static) keep whatever an earlier batch left: they are outside every bag.
         self.indices[: indices.numel()].copy_(indices)
         self.offsets.copy_(offsets)
         if psw is not None:
             self.psw[: psw.numel()].copy_(psw)
+        self.step.copy_(step)
 
     def grad_slot(self, grad_out: torch.Tensor) -> Optional[int]:
         """The graph this gradient replays: its address's, or None (the static copy's)."""
@@ -147,11 +152,13 @@ class BackwardGraphs:
         offsets: torch.Tensor,
         grad_out: torch.Tensor,
         per_sample_weights: Optional[torch.Tensor],
+        step: torch.Tensor,
         B: int,
-        body: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None],
+        body: Callable[..., None],
     ) -> None:
-        """``body(indices, offsets, grad_out, per_sample_weights)`` on static copies of the inputs:
-        eagerly on a key's first call, captured on its second, replayed from then on."""
+        """``body(state, indices, offsets, grad_out, per_sample_weights)`` on static copies of the inputs
+        (``state`` with the static copy of ``step``, the forward's count): eagerly on a key's first
+        call, captured on its second, replayed from then on."""
         n_static = padded_lookups(indices.numel())
         psw_dtype = per_sample_weights.dtype if per_sample_weights is not None else None
         device = grad_out.device
@@ -160,21 +167,21 @@ class BackwardGraphs:
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
         key = (
             id(spec), B, n_static, indices.dtype, offsets.dtype, grad_out.dtype, tuple(grad_out.shape), psw_dtype,
-            *(t.data_ptr() for t in state.kernel_args()), device, stream,
+            *(t.data_ptr() for t in state.kernel_args()[:-1]), device, stream,  # not the step: a static input
         )
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(spec, indices, offsets, per_sample_weights, n_static, stream)
+            entry = _Entry(spec, indices, offsets, per_sample_weights, step, n_static, stream)
             self._entries[key] = entry
             while len(self._entries) > max(1, spec.config.backward.graph_cache):
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        entry.load(indices, offsets, per_sample_weights)
+        entry.load(indices, offsets, per_sample_weights, step)
         slot = entry.grad_slot(grad_out)
         # A graph of this slot reads the gradient in place; the copy's graph reads the static buffer.
         grad = grad_out if slot is not None else entry.static_grad(grad_out)
-        statics = (entry.indices, entry.offsets, grad, entry.psw)
+        statics = (dataclasses.replace(state, step=entry.step), entry.indices, entry.offsets, grad, entry.psw)
         entry.calls += 1
         if not entry.graphs and entry.calls == 1:
             body(*statics)

@@ -18,10 +18,11 @@ the constexprs, num_warps and maxnreg as given; the current device. Under Triton
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from triton import knobs
@@ -151,6 +152,25 @@ def join_streams(streams: list, device: torch.device) -> None:
     for s, e in zip(streams[1:], events[1:]):
         e.record(s)
         streams[0].wait_event(e)
+
+
+@contextlib.contextmanager
+def joined(streams: list, device: torch.device) -> Iterator[None]:
+    """Joins ``streams`` (bucket_streams) after the block, also when it raises: kernels already queued
+    on the side streams read tensors the failing call frees, and only the join orders the reuse of that
+    memory. A join that fails after the block raised (a sticky CUDA error, a broken capture) is noted
+    on the block's error, which stays the one raised."""
+    try:
+        yield
+    except BaseException as error:
+        if streams:
+            try:
+                join_streams(streams, device)
+            except Exception as join_error:  # noqa: BLE001 - reported on the error that caused it
+                error.add_note(f"joining the side streams after this error failed too: {join_error!r}")
+        raise
+    if streams:
+        join_streams(streams, device)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -100,7 +100,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
     # buffers (the forward's step count does), all of them small. Snapshot, restore after.
     small = {name: buf.clone() for name, buf in module.named_buffers() if name not in _KERNEL_WRITTEN}
-    last_runs, step_version = module._last_runs, module._step_version
+    last_runs, last_stream = module._last_runs, module._last_stream.stream
     # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
     # would be replayed (real kernels, garbage gradients), not recorded. The cached LookupCall holds
     # the cache, so it is set aside too.
@@ -125,7 +125,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
             for name, saved in small.items():
                 buffers[name].copy_(saved)
         module._backward_graphs, module._cached_call = graphs, cached_call
-        module._last_runs, module._step_version = last_runs, step_version
+        module._last_runs, module._last_stream.stream = last_runs, last_stream
     return recorded
 
 
