@@ -21,6 +21,7 @@ from torchrec_triton_tbe.bench.batches import generate_requests, generator_stats
 from torchrec_triton_tbe.bench.case import (
     BenchCase,
     build_parser,
+    case_from_mapping,
     check_fbgemm_only_options,
     device_with_spec_options,
     explicit_options,
@@ -167,7 +168,9 @@ def test_device_with_spec_command_line():
     for argv, why in ((["--num-tables", "3"], "--num-tables: not options of FBGEMM's device-with-spec"),
                       (["--mixed", "--bag-size", "4"], "--bag-size, --mixed"),
                       (["--suite", "smoke"], "say their own command"),
-                      (["--embedding-dim-list", "8,8"], "num_embeddings_list has 1 entries for 2 tables")):
+                      (["--embedding-dim-list", "8,8"], "num_embeddings_list has 1 entries for 2 tables"),
+                      (["--num-requests", "3"], "--num-requests: not options"),
+                      (["--batch-size-list", "4"], "--batch-size-list: not options")):
         with pytest.raises((ValueError, SystemExit), match=why):
             _spec_case(["device-with-spec", *argv])
         with pytest.raises(SystemExit):
@@ -178,6 +181,23 @@ def test_device_with_spec_command_line():
         BenchCase(num_tables=1, bag_size_sigma_list=(-1,))
     with pytest.raises(ValueError, match="command 'vbe'"):
         BenchCase(command="vbe")
+    spec = dict(command="device-with-spec", num_tables=1, embedding_dim_list=(8,), num_embeddings_list=(9,),
+                bag_size_list=(2,))
+    with pytest.raises(ValueError, match="one batch per iteration"):
+        BenchCase(**spec, num_requests=3)  # from a suite's defaults, say
+    with pytest.raises(ValueError, match="one batch size"):
+        BenchCase(**spec, batch_size_list=(4,))
+    # Ours that only add to it stay; FBGEMM's "None" reads as absent in suite files too.
+    case = case_from_mapping({**spec, "indices_dtype": 32, "alpha_list": "None", "bag_size_sigma_list": "None"}, "s")
+    assert (case.indices_dtype, case.alpha_list, case.bag_size_sigma_list) == (32, None, None)
+    # A bag drawn larger than its Zipf table (known only once drawn): FBGEMM's generator asserts; the
+    # error names the case and the table.
+    big = BenchCase(name="tight", command="device-with-spec", num_tables=1, embedding_dim_list=(8,),
+                    num_embeddings_list=(11,), bag_size_list=(8,), bag_size_sigma_list=(4,), alpha=1.15,
+                    batch_size=2000, iters=1)
+    assert big.bag_size_bound(0) == 8 + 24
+    with pytest.raises(ValueError, match="tight: FBGEMM's request generator refused a table.*E=11"):
+        make_workload(big, torch.device("cpu"))
 
 
 def test_device_with_spec_batches_are_fbgemms():

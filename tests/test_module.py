@@ -473,7 +473,7 @@ def test_module_copies_after_a_forward_without_its_last_stream():
     m = TritonTBE([(20, 8)], optimizer=EmbOptimType.ADAM, device="cpu")
     m(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
     m._last_stream.stream = threading.Lock()
-    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+    for twin in (copy.deepcopy(m), *(pickle.loads(pickle.dumps(m, protocol=p)) for p in range(2, pickle.HIGHEST_PROTOCOL + 1))):
         assert twin._last_stream.stream is None and int(twin.iter) == int(m.iter) == 1
         assert torch.equal(twin.weights, m.weights) and torch.equal(twin.momentum2, m.momentum2)
     assert m.placeholder_autograd_tensor.dtype == torch.float32  # FBGEMM's, whatever the default dtype
@@ -495,8 +495,8 @@ def test_a_forward_on_another_stream_waits_for_the_last_one_except_in_a_capture(
     current, capturing = [a], [False]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(TritonTBE, "_count_device", property(lambda self: torch.device("cuda", 0)))
     m = TritonTBE([(20, 8)], optimizer=EmbOptimType.ADAM, device="cpu")
-    m.current_device = torch.device("cuda", 0)  # only _follow_last_stream reads it below
     m._follow_last_stream()  # the first forward: nothing to wait for
     m._follow_last_stream()  # the same stream again: stream order suffices
     current[0] = b

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import plugin_cases  # noqa: F401  (imports the plugin before torchrec)
+import torch
 from torchrec_triton_tbe import torchrec_demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,14 +88,26 @@ def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
 
 
 def test_demo_on_production_shaped_tables(tmp_path, capsys):
-    """--shape: a suite shape's per-table rows, dims, bag sizes and Zipf exponents (here a tiny suite
-    of three tables of different dims, one uniform), the concatenating model, the train pipeline."""
+    """--shape: a suite shape's per-table rows, dims, bag sizes (drawn with the shape's sigmas) and Zipf
+    exponents (here a tiny suite of three tables of different dims, one uniform), the concatenating
+    model, the train pipeline."""
+    import types
+
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
     suite = tmp_path / "tiny.yaml"
     suite.write_text(
         "name: tiny\nshapes:\n"
         "  - name: prod_tiny\n    num_tables: 3\n    batch_size: 4\n"
         "    num_embeddings_list: [50, 7, 300]\n    embedding_dim_list: [8, 12, 4]\n"
-        "    bag_size_list: [3, 1, 5]\n    alpha_list: [1.15, 1.0, 1.15]\n")
+        "    bag_size_list: [3, 1, 5]\n    bag_size_sigma_list: [2, 0, 3]\n    alpha_list: [1.15, 1.0, 1.15]\n")
+    # The sigmas reach the batches: sigma 0 gives every bag its table's size, the others vary.
+    configs = [EmbeddingBagConfig(name=f"t{k}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{k}"])
+               for k in range(2)]
+    kjt = torchrec_demo._kjt(configs, types.SimpleNamespace(batch_size=64, bag_size=0, alpha=1.0),
+                             torch.Generator().manual_seed(0), torch.int64, False, [3, 3], [1.0, 1.0], [0, 2])
+    fixed, drawn = kjt.lengths().view(2, 64)
+    assert (fixed == 3).all() and len(set(drawn.tolist())) > 2 and (drawn >= 0).all()
     rc = torchrec_demo.main(["--shape", "prod_tiny", "--suite", str(suite), "--steps", "2", "--sharding", "mixed"])
     out = capsys.readouterr().out
     assert rc == 0, out

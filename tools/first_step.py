@@ -52,7 +52,7 @@ def _shape_step(shape: str, suite: str, optimizer: str, rows_scale: float, devic
     case = found[0]
     np.random.seed(42)  # the mixed dims are drawn from it (bench/case.py)
     dims = case.table_dims()
-    rows = [max(1, case.bag_size_at(k), round(case.num_embeddings_at(k) * rows_scale)) for k in range(case.num_tables)]
+    rows = [max(1, case.bag_size_bound(k), round(case.num_embeddings_at(k) * rows_scale)) for k in range(case.num_tables)]
     if rows_scale != 1.0:
         case = dataclasses.replace(case, num_embeddings_list=tuple(rows), num_embeddings=max(rows))
     request = make_workload(case, device).requests[0]

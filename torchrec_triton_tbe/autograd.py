@@ -84,11 +84,8 @@ class LastStream:
     def __deepcopy__(self, memo) -> "LastStream":
         return LastStream()
 
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.stream = None
+    def __reduce__(self):  # every pickle protocol: a new, empty holder
+        return (LastStream, ())
 
 
 @contextlib.contextmanager
@@ -154,7 +151,8 @@ class TBEFunction(torch.autograd.Function):
         # The forward's step count (StepVersion: always its own copy), and its learning rate and
         # hyper-parameters where they have moved since (HyperVersion): eager launches take them as
         # arguments; a replayed graph loads the count into its static slot and swaps lr / hyper in.
-        step = ctx.step.saved if ctx.step.saved is not None else state.step
+        step = ctx.step.saved
+        assert step is not None, "a forward autograd recorded keeps its step count (TritonTBE.forward)"
         saved = {}
         if ctx.hyper.saved is not None:
             saved.update(learning_rate=ctx.hyper.saved[0], hyper=ctx.hyper.saved[1])

@@ -357,15 +357,23 @@ class TritonTBE(nn.Module):
             step.saved = self.iter.clone()
         return out
 
+    @property
+    def _count_device(self) -> torch.device:
+        # Where the count lives now (``module.to`` moves it; current_device stays the constructor's).
+        return self.iter.device
+
     def _follow_last_stream(self) -> None:
         """Before ``iter`` is written: on CUDA, where the last forward ran on another stream (a
         pipeline's lookup stream, then an eval loop's), the current stream waits for it, so the two
         forwards' advances of the shared count do not race. Not inside a CUDA-graph capture: the
         capture's stream may not wait for work outside it (a user's capture of the whole step warms up
-        on a side stream first, and PyTorch's recipe orders that stream before capturing)."""
-        if self.current_device.type != "cuda":
+        on a side stream first, and PyTorch's recipe orders that stream before capturing); within a
+        capture that forks streams, ordering forwards across them is the capture's own (its fork and
+        join), as for any tensor two of its streams write."""
+        device = self._count_device
+        if device.type != "cuda":
             return
-        now = torch.cuda.current_stream(self.current_device)
+        now = torch.cuda.current_stream(device)
         last, self._last_stream.stream = self._last_stream.stream, now
         if last is not None and last != now and not torch.cuda.is_current_stream_capturing():
             now.wait_stream(last)

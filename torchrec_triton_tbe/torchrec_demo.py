@@ -180,6 +180,9 @@ class Tables:
     sequence: list  # EmbeddingConfig: an EmbeddingCollection next to them (--sequence), or none
     bag_sizes: Optional[list] = None  # per bag table (--shape); else --bag-size for all
     alphas: Optional[list] = None  # per bag table (--shape); else --alpha for all
+    # Per bag table (--shape with bag_size_sigma_list): sizes int(normal(L, sigma)), negatives 0, as
+    # FBGEMM's generator draws them; None: uniform in [0, 2L].
+    bag_sigmas: Optional[list] = None
 
     @property
     def mixed_dims(self) -> bool:
@@ -216,7 +219,8 @@ def _shape_tables(args) -> Tables:
                                data_type=_data_type(args))
             for k in range(case.num_tables)]
     return Tables(bags, [], bag_sizes=[case.bag_size_at(k) for k in range(case.num_tables)],
-                  alphas=[case.alpha_at(k) for k in range(case.num_tables)])
+                  alphas=[case.alpha_at(k) for k in range(case.num_tables)],
+                  bag_sigmas=None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list))
 
 
 def _tables(args) -> Tables:
@@ -454,7 +458,7 @@ def _dmp(tables: Tables, setup: Setup, plans: dict, sharders, dense_in: int, lr:
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def _kjt(configs, args, g, dtype, vbe: bool, bag_sizes=None, alphas=None):
+def _kjt(configs, args, g, dtype, vbe: bool, bag_sizes=None, alphas=None, bag_sigmas=None):
     """Zipf-skewed bags of every feature of ``configs``. VBE: feature f holds its own batch of B_f <= B
     distinct samples (a per-feature deduplication, as TorchRec's VBE inputs carry), expanded to the B
     samples by ``inverse_indices``."""
@@ -466,7 +470,10 @@ def _kjt(configs, args, g, dtype, vbe: bool, bag_sizes=None, alphas=None):
     strides = [int(torch.randint(max(1, B // 4), B + 1, (1,), generator=g)) if vbe else B for _ in keys]
     Ls = bag_sizes or [args.bag_size] * len(keys)
     alphas = alphas or [args.alpha] * len(keys)
-    lengths = [torch.randint(0, 2 * L + 1, (s,), generator=g) for s, L in zip(strides, Ls)]
+    sigmas = bag_sigmas or [None] * len(keys)
+    lengths = [torch.randint(0, 2 * L + 1, (s,), generator=g) if sigma is None
+               else torch.normal(float(L), float(sigma), (s,), generator=g).long().clamp_min(0)
+               for s, L, sigma in zip(strides, Ls, sigmas)]
     # alpha <= 1 (the suites' "uniform" tables): uniform ids, as FBGEMM's request generator.
     values = [skewed_ids(n, int(ls.sum()), a, g) if a > 1 else torch.randint(0, n, (int(ls.sum()),), generator=g)
               for n, ls, a in zip(rows, lengths, alphas)]
@@ -485,7 +492,7 @@ def _batches(tables: Tables, args, setup: Setup, dense_in: int):
     dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     out = []
     for _ in range(args.steps):
-        kjt = _kjt(tables.bags, args, g, dtype, args.vbe, tables.bag_sizes, tables.alphas)
+        kjt = _kjt(tables.bags, args, g, dtype, args.vbe, tables.bag_sizes, tables.alphas, tables.bag_sigmas)
         seq = _kjt(tables.sequence, args, g, dtype, False) if tables.sequence else None
         dense = torch.randn(args.batch_size, dense_in, generator=g)
         labels = (torch.rand(args.batch_size, generator=g) < 0.3).float()

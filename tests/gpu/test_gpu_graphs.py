@@ -68,7 +68,8 @@ def test_replays_match_the_eager_backward_bitwise(optimizer, weighted):
 def test_replays_apply_their_forwards_step_count():
     """Each forward advances the step count and its backward applies that count (autograd.StepVersion):
     with an eval forward and a second training forward before each backward (TorchRec's semi-synchronous
-    order), a replay swaps its forward's count in as the eager module passes it, bit for bit."""
+    order), a replay loads its forward's copy of the count into the graph's slot as the eager module
+    passes it, bit for bit."""
     graphed, eager = two_modules(EmbOptimType.ADAM)
     for step in range(6):
         first, second = batch(step % 2, nb=512)[:2], batch(2 + step % 2, nb=512)[:2]

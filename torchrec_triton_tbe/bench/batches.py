@@ -99,6 +99,11 @@ def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha
             use_cpu=device.type == "cpu", index_dtype=torch.long, offset_dtype=torch.long, **_REPEATABLE,
             **table_kwargs,
         )
+    except AssertionError as exc:
+        # FBGEMM's generator asserts on what it cannot draw, e.g. Zipf ids for bags larger than the
+        # table: with bag-size sigmas the largest drawn bag counts, which no check before drawing knows.
+        raise ValueError(f"{case.name}: FBGEMM's request generator refused a table (B={B}, L={L}, E={E}, "
+                         f"alpha={alpha}, {table_kwargs or 'fixed bags'}): {exc}") from exc
     except (AttributeError, RuntimeError, NotImplementedError) as exc:
         if alpha > 1.0 and "zipf" in str(exc).lower():
             raise RuntimeError(

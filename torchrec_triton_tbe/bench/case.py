@@ -74,8 +74,12 @@ _LOWERED = {"managed"}
 # normal bag sizes). FBGEMM's `vbe` command takes another family of option names (--bench-*, --emb-*):
 # its workloads are --batch-size-list here.
 FBGEMM_COMMANDS = ("device", "device-with-spec")
-# Options of FBGEMM's `device` that its `device-with-spec` does not have (the lists replace them).
-NOT_IN_DEVICE_WITH_SPEC = ("num_tables", "num_embeddings", "embedding_dim", "bag_size", "mixed")
+# Options FBGEMM's `device-with-spec` does not have and which would change its batches: `device`'s one
+# T, E, D, L for every table (the lists replace them), --mixed, --num-requests (it draws one batch per
+# iteration), and our --batch-size-list (variable batches are FBGEMM's `vbe` command). Ours that only add
+# to it stay: --optimizer, --indices-dtype, --alpha-list (printed as the line's `a:`), --compare, ...
+NOT_IN_DEVICE_WITH_SPEC = ("num_tables", "num_embeddings", "embedding_dim", "bag_size", "mixed", "num_requests",
+                           "batch_size_list")
 # FBGEMM's device-with-spec defaults for its lists (its click options: "128", "100000", "20").
 DEVICE_WITH_SPEC_LISTS = {"embedding_dim_list": (128,), "num_embeddings_list": (100_000,), "bag_size_list": (20,)}
 # --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
@@ -167,6 +171,10 @@ class BenchCase:
                 problems.append(f"command device-with-spec takes per-table lists: {', '.join(missing)} missing")
             if self.mixed:
                 problems.append("command device-with-spec has no --mixed (its dims are embedding_dim_list)")
+            if self.num_requests not in (-1, self.iters):
+                problems.append("command device-with-spec draws one batch per iteration (num_requests -1)")
+            if self.batch_size_list is not None:
+                problems.append("command device-with-spec has one batch size (variable batches: FBGEMM's vbe)")
         if self.pooling == "none" and (self.mixed or len(set(self.table_dims_static())) > 1):
             problems.append("pooling none needs one embedding dim for every table (FBGEMM's sequence kernels)")
         if self.pooling == "none" and self.batch_size_list is not None:
@@ -219,6 +227,12 @@ class BenchCase:
 
     def bag_size_sigma_at(self, t: int) -> Optional[int]:
         return None if self.bag_size_sigma_list is None else self.bag_size_sigma_list[t]
+
+    def bag_size_bound(self, t: int) -> int:
+        """A bound on table t's largest bag (L_t, or L_t + 6 sigma_t where sizes are drawn): what a table
+        must have rows for when its ids are Zipf (FBGEMM's generator asserts E >= the largest bag)."""
+        sigma = self.bag_size_sigma_at(t)
+        return self.bag_size_at(t) + (6 * sigma if sigma else 0)
 
     def alpha_at(self, t: int) -> float:
         return self.alpha if self.alpha_list is None else self.alpha_list[t]
@@ -398,15 +412,17 @@ def check_fbgemm_only_options(args: argparse.Namespace) -> Optional[str]:
 
 def device_with_spec_options(args: argparse.Namespace, given: Mapping[str, Any]) -> dict[str, Any]:
     """The explicit options of a ``device-with-spec`` command line, completed as FBGEMM's command reads
-    them: its list defaults, T = len(--embedding-dim-list). Its options that FBGEMM's ``device-with-spec``
-    does not have (one T, E, D or L for every table, --mixed) are refused, as FBGEMM's click refuses them."""
+    them: its list defaults, T = len(--embedding-dim-list). Options it does not have that would change
+    its batches (NOT_IN_DEVICE_WITH_SPEC) are refused, as FBGEMM's click refuses them; ours that only add
+    to it (--optimizer, --indices-dtype, --alpha-list, --compare, ...) are kept."""
     if args.suite:
         raise ValueError("device-with-spec with --suite: a suite's shapes say their own command (`command:`)")
     foreign = [f for f in NOT_IN_DEVICE_WITH_SPEC if f in given]
     if foreign:
         flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
         raise ValueError(f"{flags}: not options of FBGEMM's device-with-spec (its tables are --embedding-dim-list, "
-                         "--num-embeddings-list and --bag-size-list, T their length)")
+                         "--num-embeddings-list and --bag-size-list, T their length; one batch per iteration, "
+                         "one batch size)")
     out = {**DEVICE_WITH_SPEC_LISTS, **given, "command": "device-with-spec"}
     out["num_tables"] = len(out["embedding_dim_list"])
     args.command = "device-with-spec"
@@ -438,6 +454,8 @@ def case_from_mapping(values: Mapping[str, Any], name: str) -> BenchCase:
             raise ValueError(f"{name}: unknown option {key!r}; known: {', '.join(CASE_FIELDS)}")
         if field in ("optimizers", "passes"):
             value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
+        elif field in LIST_KINDS and value == "None":  # FBGEMM's spelling, as on the command line
+            value = None
         elif field in LIST_KINDS and value is not None:
             kind = LIST_KINDS[field]
             value = tuple(kind(float(d)) if kind is int else kind(d)

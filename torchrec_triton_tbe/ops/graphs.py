@@ -121,11 +121,8 @@ class BackwardGraphs:
         # Graphs belong to the tensors they were captured on; a copied module captures its own.
         return BackwardGraphs()
 
-    def __getstate__(self) -> dict:
-        return {}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
+    def __reduce__(self):  # every pickle protocol: an empty cache
+        return (BackwardGraphs, ())
 
     def __len__(self) -> int:
         return len(self._entries)

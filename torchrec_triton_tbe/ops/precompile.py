@@ -99,6 +99,9 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
         raise RuntimeError("record_step: already recording (not re-entrant)")
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
     # buffers (the forward's step count does), all of them small. Snapshot, restore after.
+    # The snapshot reads the step count: after the last forward's stream (another one may still be
+    # advancing it); the restore writes it here, so this stream stays the count's last writer.
+    module._follow_last_stream()
     small = {name: buf.clone() for name, buf in module.named_buffers() if name not in _KERNEL_WRITTEN}
     last_runs, last_stream = module._last_runs, module._last_stream.stream
     # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
@@ -125,7 +128,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
             for name, saved in small.items():
                 buffers[name].copy_(saved)
         module._backward_graphs, module._cached_call = graphs, cached_call
-        module._last_runs, module._last_stream.stream = last_runs, last_stream
+        module._last_runs, module._last_stream.stream = last_runs, last_stream  # this stream (above)
     return recorded
 
 
