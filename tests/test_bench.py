@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -179,7 +180,9 @@ def test_device_with_spec_command_line():
         BenchCase(num_tables=1, bag_size_list=(3,), bag_size_sigma_list=(1,), reuse=0.1)
     with pytest.raises(ValueError, match="bag_size_sigma_list entries must be >= 0"):
         BenchCase(num_tables=1, bag_size_sigma_list=(-1,))
-    with pytest.raises(ValueError, match="command 'vbe'"):
+    with pytest.raises(ValueError, match="command 'cache'"):
+        BenchCase(command="cache")
+    with pytest.raises(ValueError, match="command vbe takes per-table lists: batch_size_list"):
         BenchCase(command="vbe")
     spec = dict(command="device-with-spec", num_tables=1, embedding_dim_list=(8,), num_embeddings_list=(9,),
                 bag_size_list=(2,))
@@ -229,6 +232,84 @@ def test_device_with_spec_batches_are_fbgemms():
     assert lengths.numel() == 3 * 16 and len(set(lengths.tolist())) > 3  # sizes vary per sample...
     assert (lengths == 0).any()  # ...and some bags are empty (negative draws clip to 0)
     assert torch.equal(ours[1].offsets, ours[0].offsets)  # FBGEMM draws the sizes once for every batch
+
+
+def test_vbe_command_line_mirrors_fbgemms():
+    """FBGEMM's `vbe` command: the --bench-* and --emb-* options of FBGEMM's own loaders, same names and
+    defaults (read from its click interfaces), its required lists, its 'None' alphas (uniform) and one
+    alpha for every table, sigma 0 for every table when none is given; what it refuses, and what is
+    not benchmarked here, refused with the reason."""
+    import click
+    from fbgemm_gpu.tbe.bench import EmbeddingOpsCommonConfigLoader, TBEBenchmarkingConfigLoader
+
+    from torchrec_triton_tbe.bench.vbe_command import build_vbe_parser, refused, vbe_case
+
+    @click.command()
+    @TBEBenchmarkingConfigLoader.options
+    @EmbeddingOpsCommonConfigLoader.options
+    def loaders(**_):  # pragma: no cover - never invoked
+        pass
+
+    need = ["--batch-size-list", "4,7", "--embedding-dim-list", "8,12", "--bag-size-list", "2,6",
+            "--num-embeddings-list", "30,60", "--num-tables", "2"]
+    parser = build_vbe_parser()
+    ours = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    args = parser.parse_args(need)
+    for param in loaders.params:
+        assert param.opts[0] in ours, param.opts[0]
+        default = getattr(param.default, "value", param.default)  # SparseType.FP32 -> "fp32"
+        assert getattr(args, param.name) == default, param.name
+    assert refused(args) is None
+    case = vbe_case(args)
+    assert (case.command, case.batch_size_list, case.alpha_list, case.bag_size_sigma_list) == (
+        "vbe", (4, 7), (0.0, 0.0), (0, 0))
+    assert (case.bounds_check_mode, case.iters, case.optimizers) == (1, 100, ("exact_rowwise_adagrad",))
+    assert vbe_case(parser.parse_args(need + ["--alpha-list", "1.15"])).alpha_list == (1.15, 1.15)
+    assert vbe_case(parser.parse_args(need + ["--alpha-list", "1.0,1.2"])).alpha_list == (1.0, 1.2)
+    with pytest.raises(SystemExit):
+        parser.parse_args(need[2:])  # --batch-size-list is required, as in FBGEMM's
+    with pytest.raises(ValueError, match="alpha_list has 3 entries for 2 tables"):
+        vbe_case(parser.parse_args(need + ["--alpha-list", "1.0,1.2,1.3"]))
+    for extra, why in ((["--ssd"], "SSD"), (["--merge-output"], "merged outputs"), (["--emb-location", "managed"],
+                       "device memory"), (["--bench-flush-gpu-cache-size", "1"], "refuses it too"),
+                       (["--emb-uvm-host-mapped"], "refuses it too"), (["--bench-num-requests", "3"], "one batch"),
+                       (["--bench-export-trace"], "trace"), (["--suite", "smoke"], "their own command")):
+        assert why in refused(parser.parse_args(need + extra)), extra
+        with pytest.raises(SystemExit):
+            cli.main(["vbe", *need, *extra])
+
+
+def test_vbe_command_batches_are_fbgemms(capsys):
+    """A vbe case's batches are FBGEMM's vbe command's: per table generate_requests(B_t, 1, L_t, E_t,
+    alpha_t, sigma_L=sigma_t or 0, Zipf oversampled 5x for bags of at most 5 ids), end to end (with
+    deterministic_output, as every workload here); its lines are FBGEMM's two, per kernel."""
+    need = ["--batch-size-list", "6,3,9", "--embedding-dim-list", "8,12,4", "--bag-size-list", "3,7,1",
+            "--num-embeddings-list", "300,2000,40", "--num-tables", "3", "--alpha-list", "1.0,1.15,1.2", "--bench-iterations",
+            "2"]
+    from torchrec_triton_tbe.bench.vbe_command import build_vbe_parser, vbe_case
+
+    case = vbe_case(build_vbe_parser().parse_args(need))
+    ours = make_workload(case, torch.device("cpu")).requests
+    np.random.seed(42)
+    torch.manual_seed(42)
+    per_table = [generate_requests(2, B, 1, L, E, alpha=a, weighted=False, sigma_L=0,
+                                   zipf_oversample_ratio=3 if L > 5 else 5, use_cpu=True, index_dtype=torch.long,
+                                   offset_dtype=torch.long, deterministic_output=True)
+                 for B, L, E, a in ((6, 3, 300, 1.0), (3, 7, 2000, 1.15), (9, 1, 40, 1.2))]
+    for i, mine in enumerate(ours):
+        offsets, shift = [per_table[0][i].offsets], int(per_table[0][i].offsets[-1])
+        for r in per_table[1:]:
+            offsets.append(r[i].offsets[1:] + shift)
+            shift += int(r[i].offsets[-1])
+        assert torch.equal(mine.indices, torch.cat([r[i].indices for r in per_table]))
+        assert torch.equal(mine.offsets, torch.cat(offsets))
+    assert cli.main(["vbe", *need, "--compare", "fbgemm", "--check", "--emb-bounds-check", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "check exact_rowwise_adagrad: ok" in out, out
+    head = "T: 3, Bs: [6, 3, 9], Ds: [8, 12, 4], Ls: [3, 7, 1], Es: [300, 2000, 40], alphas: [1.0, 1.15, 1.2]"
+    for kernel in ("triton", "fbgemm"):
+        assert f"{kernel} exact_rowwise_adagrad {head}\n" in out, out
+        assert re.search(rf"^{kernel} exact_rowwise_adagrad fwd: \d+us, bwd: \d+us$", out, re.M), out
 
 
 def test_mixed_dims_follow_fbgemm():

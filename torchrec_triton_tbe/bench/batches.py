@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from torchrec_triton_tbe.bench.case import BenchCase
+from torchrec_triton_tbe.bench.case import PER_TABLE_COMMANDS, BenchCase
 
 try:  # fbgemm_gpu >= 0.8 (checked: 1.6.0 and 1.9.0 both export it here)
     from fbgemm_gpu.tbe.utils import TBERequest, generate_requests
@@ -114,14 +114,15 @@ def _generate(case: BenchCase, count: int, B: int, T: int, L: int, E: int, alpha
 
 
 def _table_kwargs(case: BenchCase, t: int) -> dict[str, Any]:
-    """generate_requests' per-table arguments. FBGEMM's device-with-spec passes sigma_L (None unless
-    --bag-size-sigma-list) and oversamples Zipf draws 5x for bags of at most 5 ids, 3x (the default)
-    above; the `device` command's per-table lists (ours) keep the default and pass sigma_L only when given
-    (each keyword changes the draws, so a case is only comparable with its own command's batches)."""
+    """generate_requests' per-table arguments. FBGEMM's device-with-spec and vbe pass sigma_L (None
+    unless --bag-size-sigma-list in the first, 0 in the second) and oversample Zipf draws 5x for bags of
+    at most 5 ids, 3x (the default) above; the `device` command's per-table lists (ours) keep the default
+    and pass sigma_L only when given (each keyword changes the draws, so a case is only comparable with
+    its own command's batches)."""
     kwargs: dict[str, Any] = {}
     if case.bag_size_sigma_list is not None:
         kwargs["sigma_L"] = case.bag_size_sigma_at(t)
-    if case.command == "device-with-spec":
+    if case.command in PER_TABLE_COMMANDS:
         kwargs["zipf_oversample_ratio"] = 3 if case.bag_size_at(t) > 5 else 5
     return kwargs
 

@@ -5,7 +5,8 @@ Option names and defaults are those of FBGEMM's ``split_table_batched_embeddings
 command's own options), so a command line written for FBGEMM's benchmark means the same here (its
 command name, ``device``, may lead: cli.py drops it; ``device-with-spec`` leads a command line of that
 FBGEMM command: per-table lists only, T their length, ``--bag-size-sigma-list`` for bag sizes that vary
-per sample, batches drawn as that command draws them). FBGEMM's options for what TritonTBE does not have
+per sample, batches drawn as that command draws them; ``vbe`` leads one of FBGEMM's vbe command, whose
+options bench/vbe_command.py reads). FBGEMM's options for what TritonTBE does not have
 (``FBGEMM_ONLY_OPTIONS``: UVM / cache placement, SSD, the dense module, request files, traces) are accepted
 at FBGEMM's defaults and refused with the reason otherwise, rather than ignored.
 Per-table ``--num-embeddings-list``, ``--bag-size-list``, ``--alpha-list`` and ``--batch-size-list`` (a
@@ -69,11 +70,13 @@ FBGEMM_CACHE_OPTIONS = {
 # FBGEMM parses these case-insensitively.
 _LOWERED = {"managed"}
 # FBGEMM's benchmark commands this CLI mirrors (a command line may start with one; `device` when none):
-# `device` (T, E, D, L for every table, or our per-table lists) and `device-with-spec` (per-table lists
+# `device` (T, E, D, L for every table, or our per-table lists), `device-with-spec` (per-table lists
 # only, T their length, batches drawn table by table with FBGEMM's Zipf oversampling rule and optional
-# normal bag sizes). FBGEMM's `vbe` command takes another family of option names (--bench-*, --emb-*):
-# its workloads are --batch-size-list here.
-FBGEMM_COMMANDS = ("device", "device-with-spec")
+# normal bag sizes) and `vbe` (a batch size per table too; its own option names: bench/vbe_command.py).
+FBGEMM_COMMANDS = ("device", "device-with-spec", "vbe")
+# The commands that draw each table's batches with FBGEMM's per-table rule (Zipf oversampled 5x for bags
+# of at most 5 ids, 3x above; the bag-size sigmas).
+PER_TABLE_COMMANDS = ("device-with-spec", "vbe")
 # Options FBGEMM's `device-with-spec` does not have and which would change its batches: `device`'s one
 # T, E, D, L for every table (the lists replace them), --mixed, --num-requests (it draws one batch per
 # iteration), and our --batch-size-list (variable batches are FBGEMM's `vbe` command). Ours that only add
@@ -175,6 +178,12 @@ class BenchCase:
                 problems.append("command device-with-spec draws one batch per iteration (num_requests -1)")
             if self.batch_size_list is not None:
                 problems.append("command device-with-spec has one batch size (variable batches: FBGEMM's vbe)")
+        elif self.command == "vbe":
+            missing = [f for f in ("batch_size_list", *DEVICE_WITH_SPEC_LISTS) if getattr(self, f) is None]
+            if missing:
+                problems.append(f"command vbe takes per-table lists: {', '.join(missing)} missing")
+            if self.num_requests not in (-1, self.iters):
+                problems.append("command vbe draws one batch per iteration (num_requests -1)")
         if self.pooling == "none" and (self.mixed or len(set(self.table_dims_static())) > 1):
             problems.append("pooling none needs one embedding dim for every table (FBGEMM's sequence kernels)")
         if self.pooling == "none" and self.batch_size_list is not None:
@@ -209,7 +218,7 @@ class BenchCase:
     def per_table(self) -> bool:
         """Whether the batches are drawn table by table (device-with-spec, or any per-table list but the
         dims)."""
-        return self.command == "device-with-spec" or any(
+        return self.command in PER_TABLE_COMMANDS or any(
             getattr(self, f) is not None for f in LIST_FIELDS if f != "embedding_dim_list")
 
     @property
@@ -269,7 +278,7 @@ class BenchCase:
         a = "list" if self.alpha_list else f"{self.alpha:g}"
         extra = "".join([
             "_Lsigma" if self.bag_size_sigma_list else "",
-            "_spec" if self.command == "device-with-spec" else "",
+            {"device-with-spec": "_spec", "vbe": "_vbecmd"}.get(self.command, ""),
             "_w" if self.weighted else "",
             "_i32" if self.indices_dtype == 32 else "",
             f"_{self.pooling}" if self.pooling != "sum" else "",
@@ -311,6 +320,33 @@ def _comma_list(kind, choices: Optional[Sequence[str]] = None, none_ok: bool = F
         return items
 
     return parse
+
+
+def add_ab_options(p: argparse.ArgumentParser, default: "BenchCase") -> None:
+    """The options this CLI adds to FBGEMM's (every command): contenders, checks, suites, output."""
+    x = p.add_argument_group("A/B options")
+    x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
+                   help="comma-separated, of: " + ", ".join(OPTIMIZERS) + " (default exact_rowwise_adagrad, "
+                   "FBGEMM's --row-wise)")
+    x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
+                   help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
+    x.add_argument("--compare", type=_comma_list(str, COMPARE_KERNELS), default=None,
+                   help="comma-separated, of: fbgemm (FBGEMM's TBE), torchrec_triton (TorchRec's Triton TBE, "
+                   "from --torchrec-checkout): also run them on the same batches with the same initial weights")
+    x.add_argument("--torchrec-checkout", default=None,
+                   help="for --compare torchrec_triton: a directory holding torchrec/distributed/triton_tbe/*.py "
+                   "(default $TORCHREC_CHECKOUT; tools/stage_torchrec_triton.sh makes .stage/torchrec)")
+    x.add_argument("--check", action="store_true",
+                   help="compare outputs (and weights after one backward) of every compared kernel against "
+                   "ours on the first batch")
+    x.add_argument("--suite", default=None, help="shape suite: a name in configs/suites/ or a YAML path")
+    x.add_argument("--only", type=_comma_list(str), default=None, help="run only these suite shapes (names)")
+    x.add_argument("--json", default=None, help="write results here (rewritten after every shape)")
+    x.add_argument("--plot", default=None, help="PNG: GB/s per shape for both kernels, and the speed-up")
+    x.add_argument("--kernel-config", default=None, help="TritonTBE kernel_config: a name (sm90) or YAML path")
+    x.add_argument("--fused-bounds-check", action="store_true", help="TritonTBE fused_bounds_check=True")
+    x.add_argument("--hoist-transpose", action="store_true", help="TritonTBE hoist_transpose=True")
+    x.add_argument("--verbose", action="store_true", help="keep FBGEMM's INFO logging")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,10 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
             f.add_argument(flag, default=value, type=str.lower if name in _LOWERED else None,
                            help=f"{why} (FBGEMM's default: {value})")
 
-    x = p.add_argument_group("A/B options")
-    x.add_argument("--optimizer", dest="optimizers", type=_comma_list(str, OPTIMIZERS), default=default.optimizers,
-                   help="comma-separated, of: " + ", ".join(OPTIMIZERS) + " (default exact_rowwise_adagrad, "
-                   "FBGEMM's --row-wise)")
+    add_ab_options(p, default)
+    x = p.add_argument_group("Per-table lists (FBGEMM's device-with-spec; --alpha-list and --batch-size-list ours)")
     x.add_argument("--embedding-dim-list", type=_comma_list(int), default=None,
                    help="explicit per-table D, comma-separated (as FBGEMM's device-with-spec)")
     x.add_argument("--num-embeddings-list", type=_comma_list(int), default=None, help="per-table rows (E)")
@@ -377,33 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-table Zipf alphas ('None': --alpha for every table)")
     x.add_argument("--batch-size-list", type=_comma_list(int), default=None,
                    help="per-table batch sizes: a variable batch per feature (VBE), as FBGEMM's vbe command")
-    x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
-                   help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
-    x.add_argument("--compare", type=_comma_list(str, COMPARE_KERNELS), default=None,
-                   help="comma-separated, of: fbgemm (FBGEMM's TBE), torchrec_triton (TorchRec's Triton TBE, "
-                   "from --torchrec-checkout): also run them on the same batches with the same initial weights")
-    x.add_argument("--torchrec-checkout", default=None,
-                   help="for --compare torchrec_triton: a directory holding torchrec/distributed/triton_tbe/*.py "
-                   "(default $TORCHREC_CHECKOUT; tools/stage_torchrec_triton.sh makes .stage/torchrec)")
-    x.add_argument("--check", action="store_true",
-                   help="compare outputs (and weights after one backward) of every compared kernel against "
-                   "ours on the first batch")
-    x.add_argument("--suite", default=None, help="shape suite: a name in configs/suites/ or a YAML path")
-    x.add_argument("--only", type=_comma_list(str), default=None, help="run only these suite shapes (names)")
-    x.add_argument("--json", default=None, help="write results here (rewritten after every shape)")
-    x.add_argument("--plot", default=None, help="PNG: GB/s per shape for both kernels, and the speed-up")
-    x.add_argument("--kernel-config", default=None, help="TritonTBE kernel_config: a name (sm90) or YAML path")
-    x.add_argument("--fused-bounds-check", action="store_true", help="TritonTBE fused_bounds_check=True")
-    x.add_argument("--hoist-transpose", action="store_true", help="TritonTBE hoist_transpose=True")
-    x.add_argument("--verbose", action="store_true", help="keep FBGEMM's INFO logging")
     # Not an option: the command word that may lead the command line (cli.py), `device` unless named.
     p.set_defaults(command=default.command)
     return p
 
 
-def check_fbgemm_only_options(args: argparse.Namespace) -> Optional[str]:
-    """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults)."""
-    for name, (default, why) in FBGEMM_ONLY_OPTIONS.items():
+def check_fbgemm_only_options(args: argparse.Namespace,
+                              options: Mapping[str, tuple[Any, str]] = FBGEMM_ONLY_OPTIONS) -> Optional[str]:
+    """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults).
+    ``options``: name -> (FBGEMM's default, why refused)."""
+    for name, (default, why) in options.items():
         value = getattr(args, name)
         if value != default:
             return f"--{name.replace('_', '-')} {value}: not supported: {why}"

@@ -46,6 +46,8 @@ from torchrec_triton_tbe.bench.case import (
 from torchrec_triton_tbe.bench.report import environment, nvidia_smi_clocks, write_json, write_plot
 from torchrec_triton_tbe.bench.runner import RunOptions, run_case
 from torchrec_triton_tbe.bench.timing import TIMED_BY_EVENTS, TIMED_BY_WALL_CLOCK, measure_copy_bandwidth
+from torchrec_triton_tbe.bench.vbe_command import build_vbe_parser, vbe_case
+from torchrec_triton_tbe.bench.vbe_command import refused as vbe_refused
 
 
 def _device() -> torch.device:
@@ -103,10 +105,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = None
     if argv[:1] and argv[0] in FBGEMM_COMMANDS:
         command, argv = argv[0], argv[1:]  # FBGEMM's command line names its command first
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    given = explicit_options(parser, argv)
-    refused = check_fbgemm_only_options(args)
+    if command == "vbe":  # FBGEMM's vbe command: its own option names (bench/vbe_command.py)
+        parser = build_vbe_parser()
+        args = parser.parse_args(argv)
+        given = None
+        refused = vbe_refused(args)
+    else:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        given = explicit_options(parser, argv)
+        refused = check_fbgemm_only_options(args)
     if refused:
         parser.error(refused)
     if command == "device-with-spec":
@@ -130,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # configuration at INFO; keep warnings (the generator's uniform fallback is one).
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        header, shapes = _shapes(args, given)
+        header, shapes = (None, [SuiteShape(vbe_case(args), None)]) if command == "vbe" else _shapes(args, given)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
 

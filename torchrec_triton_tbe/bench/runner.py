@@ -35,6 +35,7 @@ from torchrec_triton_tbe.bench.batches import Workload
 from torchrec_triton_tbe.bench.case import COMPARE_KERNELS, OPTIMIZERS
 from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps, log_line, spec_log_line
 from torchrec_triton_tbe.bench.timing import time_steps
+from torchrec_triton_tbe.bench.vbe_command import vbe_lines
 from torchrec_triton_tbe.module import TritonTBE
 
 _OPTIMIZER = {name: EmbOptimType[name.upper()] for name in OPTIMIZERS}
@@ -308,7 +309,10 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
     E = round(sum(case.num_embeddings_at(t) for t in range(T)) / T)
     L = round(sum(case.bag_size_at(t) for t in range(T)) / T)
     alpha = round(sum(case.alpha_at(t) for t in range(T)) / T, 4)
-    if case.command == "device-with-spec":  # its lines print the lists
+    if case.command == "vbe":  # FBGEMM's vbe lines hold both passes: printed once both are measured
+        def line(prefix: str, backward: bool, bw: float, us: float) -> None:
+            return None
+    elif case.command == "device-with-spec":  # its lines print the lists
         Ls = [case.bag_size_at(t) for t in range(T)]
         sigmas = None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list)
         alpha_shown = case.alpha if case.alpha_list is None else list(case.alpha_list)
@@ -368,7 +372,9 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
                 continue
             bw = gbps(rw_bytes, timing.median_ms, backward)
             entry[kernel] = {**timing.as_dict(), "gbps": bw}
-            emit(line(f"{kernel}{prefix_extra}", backward, bw, timing.median_ms * 1e3))
+            text = line(f"{kernel}{prefix_extra}", backward, bw, timing.median_ms * 1e3)
+            if text:
+                emit(text)
         for kernel in kernels[1:]:
             if "median_ms" not in entry[kernel]:
                 continue
@@ -402,4 +408,14 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
         del modules
         if opts.device.type == "cuda":
             torch.cuda.empty_cache()
+    if case.command == "vbe":
+        results = record["results"]
+        for optimizer in case.optimizers:
+            for kernel in kernels:
+                fwd = results.get("fwd", {}).get(kernel, {}).get("median_ms")
+                bwd = results.get(f"bwd_{optimizer}", {}).get(kernel, {}).get("median_ms")
+                if fwd is not None or bwd is not None:
+                    for text in vbe_lines(f"{kernel} {optimizer}", case, w.Ds, None if fwd is None else fwd * 1e3,
+                                          None if bwd is None else bwd * 1e3):
+                        emit(text)
     return record
