@@ -6,6 +6,11 @@
     torchrec-triton-tbe-bench --suite h200 --compare fbgemm --check --json h200.json --plot h200.png
     # a third contender: TorchRec's Triton TBE, from a checkout (tools/stage_torchrec_triton.sh)
     torchrec-triton-tbe-bench --suite h200 --compare fbgemm,torchrec_triton --torchrec-checkout .stage/torchrec
+    # FBGEMM's device-with-spec and vbe command lines, as written for FBGEMM's benchmark
+    torchrec-triton-tbe-bench device-with-spec --embedding-dim-list 8,64 --num-embeddings-list 50,100000 \
+        --bag-size-list 1,40 --bag-size-sigma-list 0,20 --compare fbgemm
+    torchrec-triton-tbe-bench vbe --batch-size-list 4096,512 --embedding-dim-list 64,16 --bag-size-list 20,1 \
+        --num-embeddings-list 100000,50 --num-tables 2 --compare fbgemm
 
 The JSON records the GPU, clocks, versions, git commit (TORCHREC_TRITON_TBE_GIT_COMMIT if set — on a
 copy of the tree without .git, or with a stale one — else ``git rev-parse HEAD``) and a sha256 of the package sources. A suite too long for one
