@@ -146,9 +146,12 @@ def test_torchrec_layouts_with_any_knobs_train_like_fbgemm(layout, cfg, optimize
         expected.backward(grad)
         for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), fb.split_embedding_weights())):
             assert_close(a, b, f"table {t} after step {step}", atol=1e-5, rtol=1e-5)
+        # Adagrad's state sums squared gradients, each a sum over every lookup of its row: at a row hit by
+        # 100 lookups (one example at 200 examples, session 39) FBGEMM's fp32 state was 3.7e-5 off the
+        # fp64 value, ours 6.2e-6, so 1e-5 relative was FBGEMM's rounding, not a fault; 5e-5 allows it.
         for t, (a, b) in enumerate(zip(ours.split_optimizer_states(), fb.split_optimizer_states())):
             for x, y in zip(a, b):
-                assert_close(x, y.view(x.shape), f"table {t} state after step {step}", atol=1e-5, rtol=1e-5)
+                assert_close(x, y.view(x.shape), f"table {t} state after step {step}", atol=1e-5, rtol=5e-5)
 
 
 @st.composite
