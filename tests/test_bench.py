@@ -163,6 +163,9 @@ def test_device_with_spec_command_line():
     case = _spec_case(["device-with-spec", "--embedding-dim-list", "8,16,4", "--num-embeddings-list", "5,6,7",
                        "--bag-size-list", "1,2,3", "--bag-size-sigma-list", "0,1,2", "--alpha-list", "None"])
     assert (case.num_tables, case.bag_size_sigma_list, case.alpha_list) == (3, (0, 1, 2), None)
+    # One --alpha-list value is every table's (as FBGEMM's vbe reads its --alpha-list).
+    assert _spec_case(["device-with-spec", "--embedding-dim-list", "8,16", "--num-embeddings-list", "50,60",
+                       "--bag-size-list", "1,2", "--alpha-list", "1.1"]).alpha_list == (1.1, 1.1)
     assert case.per_table and case.label().endswith("_fp32_Lsigma_spec")
     # Without the command word, the lists are `device`'s per-table lists (ours): T is --num-tables.
     assert _spec_case(["device", "--num-tables", "2", "--embedding-dim-list", "8,8"]).command == "device"
@@ -171,7 +174,10 @@ def test_device_with_spec_command_line():
                       (["--suite", "smoke"], "say their own command"),
                       (["--embedding-dim-list", "8,8"], "num_embeddings_list has 1 entries for 2 tables"),
                       (["--num-requests", "3"], "--num-requests: not options"),
-                      (["--batch-size-list", "4"], "--batch-size-list: not options")):
+                      (["--batch-size-list", "4"], "--batch-size-list: not options"),
+                      # `device` options it has in no version: click refuses them even at their defaults.
+                      (["--cache-load-factor", "0.2"], "--cache-load-factor: not options of FBGEMM's device-with"),
+                      (["--ssd-prefix", "/tmp/ssd_benchmark"], "--ssd-prefix: not options")):
         with pytest.raises((ValueError, SystemExit), match=why):
             _spec_case(["device-with-spec", *argv])
         with pytest.raises(SystemExit):
@@ -270,13 +276,59 @@ def test_vbe_command_line_mirrors_fbgemms():
         parser.parse_args(need[2:])  # --batch-size-list is required, as in FBGEMM's
     with pytest.raises(ValueError, match="alpha_list has 3 entries for 2 tables"):
         vbe_case(parser.parse_args(need + ["--alpha-list", "1.0,1.2,1.3"]))
-    for extra, why in ((["--ssd"], "SSD"), (["--merge-output"], "merged outputs"), (["--emb-location", "managed"],
-                       "device memory"), (["--bench-flush-gpu-cache-size", "1"], "refuses it too"),
+    for extra, why in ((["--ssd"], "SSD"), (["--merge-output"], "merged outputs"),
+                       (["--bench-flush-gpu-cache-size", "1"], "refuses it too"),
                        (["--emb-uvm-host-mapped"], "refuses it too"), (["--bench-num-requests", "3"], "one batch"),
                        (["--bench-export-trace"], "trace"), (["--suite", "smoke"], "their own command")):
         assert why in refused(parser.parse_args(need + extra)), extra
         with pytest.raises(SystemExit):
             cli.main(["vbe", *need, *extra])
+
+
+def test_vbe_takes_what_fbgemms_vbe_ignores_with_a_note():
+    """FBGEMM's vbe command never reads --emb-location (its tables are in device memory) and reads
+    --print-kernel-summary / --upload-perf-data only with a trace: accepted, each with a note."""
+    from torchrec_triton_tbe.bench.vbe_command import build_vbe_parser, ignored, refused
+
+    need = ["--batch-size-list", "4", "--embedding-dim-list", "8", "--bag-size-list", "2", "--num-embeddings-list",
+            "30", "--num-tables", "1"]
+    parser = build_vbe_parser()
+    assert ignored(parser.parse_args(need)) == []
+    args = parser.parse_args(need + ["--emb-location", "managed", "--print-kernel-summary", "--upload-perf-data"])
+    assert refused(args) is None
+    notes = ignored(args)
+    assert [n.split(":")[1] for n in notes] == [" --emb-location managed", " --print-kernel-summary True",
+                                                " --upload-perf-data True"]
+    assert "device memory" in notes[0] and all("FBGEMM's vbe command" in n for n in notes)
+
+
+def test_options_are_never_abbreviated(capsys):
+    """FBGEMM's click takes no prefix of an option: neither does this CLI (argparse would read `--alpha`
+    as vbe's `--alpha-list`, `--bench-iter` as `--bench-iterations`, `--batch` as `--batch-size`)."""
+    need = ["--batch-size-list", "4", "--embedding-dim-list", "8", "--bag-size-list", "2", "--num-embeddings-list",
+            "30", "--num-tables", "1"]
+    for argv in (["vbe", *need, "--alpha", "1.15"], ["vbe", *need, "--bench-iter", "5"], ["--batch", "4"],
+                 ["device-with-spec", "--embedding-dim-lis", "8"], ["--num-table", "2"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err, argv
+    assert explicit_options(build_parser(), ["--batch", "4"]) == {}
+
+
+def test_bare_compare_is_fbgemms_flag_and_refused(capsys):
+    """fbgemm-gpu >= 1.8's `--compare` is a flag (rerun on its CPU TBE); ours names contenders. A bare
+    --compare is refused with both meanings spelled out, before anything runs."""
+    need = ["--batch-size-list", "4", "--embedding-dim-list", "8", "--bag-size-list", "2", "--num-embeddings-list",
+            "30", "--num-tables", "1"]
+    for argv in (["--compare"], ["device", "--compare", "--check"], ["device-with-spec", "--compare"],
+                 ["vbe", *need, "--compare"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert "FBGEMM's flag" in err and "--compare fbgemm" in err, argv
+    assert build_parser().parse_args(["--compare", "fbgemm"]).compare == ("fbgemm",)
+    assert explicit_options(build_parser(), ["--compare", "fbgemm,torchrec_triton"]) == {
+        "compare": ("fbgemm", "torchrec_triton")}
 
 
 def test_vbe_command_batches_are_fbgemms(capsys):
@@ -369,6 +421,13 @@ def test_log_lines_in_fbgemm_format():
         "prefix": "triton exact_sgd", "pass": "Backward", "B": 512, "Es": [100, 2000], "T": 2, "Ds": [8, 16],
         "Ls": "mu [4, 20] sigma [1, 5]", "W": None, "alpha": 1.15, "BW_GBps": 2.5, "T_us": 68}
     assert parse_log_line("INFO:root:" + spec_fwd)["W"] is False
+    # fbgemm-gpu 1.6.0's device-with-spec lines have no "a:" (written as its benchmark writes them).
+    v160 = ("INFO:root:Forward, B: 512, Es: [100, 2000], T: 2, Ds: [8, 16], Ls: mu [4, 20] sigma [1, 5], W: True, "
+            "BW:  1.25 GB/s, T: 34us")
+    assert parse_log_line(v160) == {
+        "prefix": "INFO:root:", "pass": "Forward", "B": 512, "Es": [100, 2000], "T": 2, "Ds": [8, 16],
+        "Ls": "mu [4, 20] sigma [1, 5]", "W": True, "alpha": None, "BW_GBps": 1.25, "T_us": 34}
+    assert parse_log_line("Backward, B: 8, Es: [10], T: 1, Ds: [4], Ls: [2], BW:  0.50 GB/s, T: 7us")["T_us"] == 7
 
 
 # ------------------------------------------------------------------------------------------ batches

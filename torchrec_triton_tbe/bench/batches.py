@@ -8,7 +8,10 @@ indices and offsets, then ``grad_output = torch.randn(B, sum(Ds))`` on the host.
 Two generator facts matter for reading results (fbgemm_gpu 1.6.0 and 1.9.0 sources, identical here):
 
 * Zipf ids (alpha > 1) are drawn with ``torch.ops.fbgemm.zipf_cuda`` when CUDA is available and with
-  ``np.random.zipf`` otherwise; each bag keeps its first L *distinct* draws out of 3L. When some bag
+  ``np.random.zipf`` otherwise; each bag keeps its first L *distinct* draws out of 3L (the generator's
+  one-E path, which every call here takes; FBGEMM's per-table commands pass 5 for bags of at most 5 ids).
+  The drawn ranks then go through a random permutation of the rows, which FBGEMM's commands leave
+  unseeded and we seed (below): the same distribution as theirs, on other rows. When some bag
   cannot fill L distinct ids ("too skewed distribution") the generator logs a warning and silently
   falls back to uniform ids for the whole batch. We capture that warning and report it, and we
   measure the run structure the backward actually sees (lookups per (table, row)).

@@ -12,7 +12,9 @@ at FBGEMM's defaults and refused with the reason otherwise, rather than ignored.
 Per-table ``--num-embeddings-list``, ``--bag-size-list``, ``--alpha-list`` and ``--batch-size-list`` (a
 variable batch per feature) extend ``device``: they draw the batches table by table, as FBGEMM's
 ``device-with-spec`` and ``vbe`` commands do, but with generate_requests' default Zipf oversampling
-(those commands oversample bags of at most 5 ids 5x: lead with ``device-with-spec`` for its very batches).
+(those commands oversample bags of at most 5 ids 5x: lead with ``device-with-spec`` for its sampling rule;
+the batches then follow FBGEMM's seeds and draws, except Zipf ids' row permutation, which FBGEMM's commands
+leave unseeded and batches.py seeds: the same distribution, other rows).
 Differences: ``--optimizer`` (FBGEMM's ``device`` has only ``--row-wise/--no-row-wise``, i.e. row-wise
 Adagrad or EXACT_ADAGRAD, which map onto it; here every optimizer TritonTBE implements, by FBGEMM's
 EmbOptimType names in lower case); the weight types FBGEMM quantizes (int8, fp8, ...) are not offered
@@ -83,10 +85,17 @@ PER_TABLE_COMMANDS = ("device-with-spec", "vbe")
 # to it stay: --optimizer, --indices-dtype, --alpha-list (printed as the line's `a:`), --compare, ...
 NOT_IN_DEVICE_WITH_SPEC = ("num_tables", "num_embeddings", "embedding_dim", "bag_size", "mixed", "num_requests",
                            "batch_size_list")
+# `device` options FBGEMM's `device-with-spec` has in no version (1.6.0 to its main branch, August 2026):
+# its click refuses them ("No such option"), so they are refused here too, even at their defaults.
+DEVICE_ONLY_OPTIONS = ("uvm_host_mapped", "ssd", "ssd_prefix", "dense", "tables", "requests_data_file",
+                       "indices_file", "offsets_file", "weighted_num_requires_grad", "cache_load_factor")
 # FBGEMM's device-with-spec defaults for its lists (its click options: "128", "100000", "20").
 DEVICE_WITH_SPEC_LISTS = {"embedding_dim_list": (128,), "num_embeddings_list": (100_000,), "bag_size_list": (20,)}
 # --compare: FBGEMM's TBE, and TorchRec's Triton TBE (bench/peers.py; needs --torchrec-checkout).
 COMPARE_KERNELS = ("fbgemm", "torchrec_triton")
+# A bare --compare: FBGEMM's flag of that name (fbgemm-gpu >= 1.8; its device, device-with-spec and vbe
+# commands rerun the case on FBGEMM's CPU TBE and compare outputs), which this CLI does not run.
+FBGEMM_CPU_COMPARE = ("<FBGEMM's --compare flag>",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,9 +339,11 @@ def add_ab_options(p: argparse.ArgumentParser, default: "BenchCase") -> None:
                    "FBGEMM's --row-wise)")
     x.add_argument("--passes", type=_comma_list(str, PASSES), default=default.passes,
                    help="fwd,bwd (bwd times out.backward(grad) only; forward runs outside the timed region)")
-    x.add_argument("--compare", type=_comma_list(str, COMPARE_KERNELS), default=None,
+    x.add_argument("--compare", type=_comma_list(str, COMPARE_KERNELS), default=None, nargs="?",
+                   const=FBGEMM_CPU_COMPARE,
                    help="comma-separated, of: fbgemm (FBGEMM's TBE), torchrec_triton (TorchRec's Triton TBE, "
-                   "from --torchrec-checkout): also run them on the same batches with the same initial weights")
+                   "from --torchrec-checkout): also run them on the same batches with the same initial weights. "
+                   "Without a value it is FBGEMM's flag (fbgemm-gpu >= 1.8: a CPU baseline), refused here")
     x.add_argument("--torchrec-checkout", default=None,
                    help="for --compare torchrec_triton: a directory holding torchrec/distributed/triton_tbe/*.py "
                    "(default $TORCHREC_CHECKOUT; tools/stage_torchrec_triton.sh makes .stage/torchrec)")
@@ -351,8 +362,10 @@ def add_ab_options(p: argparse.ArgumentParser, default: "BenchCase") -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     default = BenchCase()
+    # allow_abbrev=False: FBGEMM's click takes no abbreviated option (``--alpha`` is not ``--alpha-list``).
     p = argparse.ArgumentParser(
         prog="torchrec-triton-tbe-bench",
+        allow_abbrev=False,
         description="A/B benchmark of TritonTBE vs FBGEMM's TBE, in the format of FBGEMM's "
         "split_table_batched_embeddings_benchmark.py device (same options and defaults).",
     )
@@ -391,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = p.add_argument_group("FBGEMM `device` options for what TritonTBE does not have: accepted at FBGEMM's "
                              "default only")
     for name, (value, why) in {**FBGEMM_ONLY_OPTIONS, **FBGEMM_CACHE_OPTIONS}.items():
-        flag = "--" + (name if name == "requests_data_file" else name.replace("_", "-"))  # FBGEMM's spelling
+        flag = _flag(name)
         if isinstance(value, bool):
             f.add_argument(flag, action="store_true", help=why)
         else:
@@ -416,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag(name: str) -> str:
+    """The option spelling of a dest name, as FBGEMM spells it."""
+    return "--" + (name if name == "requests_data_file" else name.replace("_", "-"))
+
+
 def check_fbgemm_only_options(args: argparse.Namespace,
                               options: Mapping[str, tuple[Any, str]] = FBGEMM_ONLY_OPTIONS) -> Optional[str]:
     """Why the FBGEMM-only options given cannot run here (None: they are FBGEMM's defaults).
@@ -423,7 +441,7 @@ def check_fbgemm_only_options(args: argparse.Namespace,
     for name, (default, why) in options.items():
         value = getattr(args, name)
         if value != default:
-            return f"--{name.replace('_', '-')} {value}: not supported: {why}"
+            return f"{_flag(name)} {value}: not supported: {why}"
     return None
 
 
@@ -440,15 +458,22 @@ def device_with_spec_options(args: argparse.Namespace, given: Mapping[str, Any])
         raise ValueError(f"{flags}: not options of FBGEMM's device-with-spec (its tables are --embedding-dim-list, "
                          "--num-embeddings-list and --bag-size-list, T their length; one batch per iteration, "
                          "one batch size)")
+    foreign = [_flag(f) for f in DEVICE_ONLY_OPTIONS if f in given]
+    if foreign:
+        raise ValueError(f"{', '.join(foreign)}: not options of FBGEMM's device-with-spec (options of its device "
+                         "command)")
     out = {**DEVICE_WITH_SPEC_LISTS, **given, "command": "device-with-spec"}
-    out["num_tables"] = len(out["embedding_dim_list"])
+    out["num_tables"] = T = len(out["embedding_dim_list"])
+    alphas = out.get("alpha_list")
+    if alphas is not None and len(alphas) == 1:
+        out["alpha_list"] = alphas * T  # one value: every table (as FBGEMM's vbe reads its --alpha-list)
     args.command = "device-with-spec"
     return out
 
 
 def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, Any]:
     """The options the command line actually sets (to let them override suite entries)."""
-    quiet = argparse.ArgumentParser(add_help=False)
+    quiet = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for action in parser._actions:
         if action.option_strings and not isinstance(action, argparse._HelpAction):
             kwargs = dict(dest=action.dest, default=argparse.SUPPRESS)
@@ -457,7 +482,8 @@ def explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> di
             elif isinstance(action, argparse.BooleanOptionalAction):
                 quiet.add_argument(*action.option_strings, action=argparse.BooleanOptionalAction, **kwargs)
             else:
-                quiet.add_argument(*action.option_strings, type=action.type, **kwargs)
+                quiet.add_argument(*action.option_strings, type=action.type, nargs=action.nargs, const=action.const,
+                                   **kwargs)
     given, _ = quiet.parse_known_args(list(argv))
     return vars(given)
 

@@ -39,6 +39,7 @@ from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import (
     CASE_FIELDS,
     FBGEMM_COMMANDS,
+    FBGEMM_CPU_COMPARE,
     check_fbgemm_only_options,
     device_with_spec_options,
     SuiteShape,
@@ -52,6 +53,7 @@ from torchrec_triton_tbe.bench.report import environment, nvidia_smi_clocks, wri
 from torchrec_triton_tbe.bench.runner import RunOptions, run_case
 from torchrec_triton_tbe.bench.timing import TIMED_BY_EVENTS, TIMED_BY_WALL_CLOCK, measure_copy_bandwidth
 from torchrec_triton_tbe.bench.vbe_command import build_vbe_parser, vbe_case
+from torchrec_triton_tbe.bench.vbe_command import ignored as vbe_ignored
 from torchrec_triton_tbe.bench.vbe_command import refused as vbe_refused
 
 
@@ -115,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
         given = None
         refused = vbe_refused(args)
+        for note in vbe_ignored(args):
+            print(note)
     else:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -127,6 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             given = device_with_spec_options(args, given)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.compare == FBGEMM_CPU_COMPARE:
+        parser.error("--compare without a value is FBGEMM's flag (fbgemm-gpu >= 1.8: rerun on FBGEMM's CPU TBE and "
+                     "compare), not run here; this CLI's --compare names the kernels to time against ours: "
+                     "--compare fbgemm (and/or torchrec_triton)")
     if args.check and not args.compare:
         parser.error("--check compares against another kernel: add --compare fbgemm (and/or torchrec_triton)")
     compare = tuple(dict.fromkeys(args.compare or ()))  # as given, once each
@@ -164,7 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "compare": ",".join(compare) if compare else None,  # "fbgemm" as it always was
         "timing_method": TIMED_BY_EVENTS if cuda else TIMED_BY_WALL_CLOCK,
         "timing_meaningful": cuda,
-        "byte_model": "FBGEMM: out_bytes*B*sum(Ds) + param_bytes*B*sum(Ds)*L; backward GB/s uses 2x",
+        "byte_model": "FBGEMM's read_write_bytes: out_bytes*B*sum(Ds) + param_bytes*B*sum(Ds)*L (device); with "
+                      "per-table lists sum over t of out_bytes*B_t*D_t + param_bytes*B_t*D_t*L_t (device-with-spec's "
+                      "sum_DLs); pooling none writes L_t rows per bag; backward GB/s uses 2x",
         "speedup_definition": "fbgemm median ms / triton median ms (> 1: TritonTBE faster)",
         **({"peer_speedup_definition": "speedup_<kernel>: <kernel> median ms / triton median ms; a pass the "
             "kernel cannot run has {\"skipped\": reason} in place of its times"}

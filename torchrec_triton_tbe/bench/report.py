@@ -91,9 +91,16 @@ _LINE = re.compile(
 
 _SPEC_LINE = re.compile(
     r"^(?P<prefix>.*?)\s*(?P<pass_>Forward|Backward), B: (?P<B>\d+), Es: \[(?P<Es>[\d, ]*)\], T: (?P<T>\d+), "
-    r"Ds: \[(?P<Ds>[\d, ]*)\], Ls: (?P<Ls>.*?), (?:W: (?P<W>True|False), )?a: (?P<a>[^B]*?), "
+    r"Ds: \[(?P<Ds>[\d, ]*)\], Ls: (?P<Ls>.*?), (?:W: (?P<W>True|False), )?(?:a: (?P<a>[^B]*?), )?"
     r"BW:\s*(?P<BW>[\d.]+)\s*GB/s, T: (?P<us>\d+)us$"
 )
+
+
+def _alpha(text: Optional[str]) -> Any:
+    """A spec line's ``a:``: None where absent (fbgemm-gpu 1.6.0 prints none), a float, or a list as printed."""
+    if text is None:
+        return None
+    return float(text) if re.fullmatch(r"[\d.]+", text) else text
 
 
 def _ints(text: str) -> list[int]:
@@ -101,15 +108,16 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_log_line(line: str) -> Optional[dict[str, Any]]:
-    """Parse a Forward/Backward line (ours or FBGEMM's, with or without FBGEMM's newer ``a:`` field; the
-    ``device-with-spec`` lines give ``Es``, ``Ds`` lists and ``Ls`` as printed, in place of E, D, L)."""
+    """Parse a Forward/Backward line (ours or FBGEMM's, with or without the ``a:`` field that fbgemm-gpu
+    1.6.0 does not print; the ``device-with-spec`` lines give ``Es``, ``Ds`` lists and ``Ls`` as printed,
+    in place of E, D, L)."""
     spec = _SPEC_LINE.match(line.strip())
     if spec:
         d = spec.groupdict()
         return {
             "prefix": d["prefix"], "pass": d["pass_"], "B": int(d["B"]), "Es": _ints(d["Es"]), "T": int(d["T"]),
             "Ds": _ints(d["Ds"]), "Ls": d["Ls"], "W": None if d["W"] is None else d["W"] == "True",
-            "alpha": float(d["a"]) if re.fullmatch(r"[\d.]+", d["a"]) else d["a"], "BW_GBps": float(d["BW"]), "T_us": int(d["us"]),
+            "alpha": _alpha(d["a"]), "BW_GBps": float(d["BW"]), "T_us": int(d["us"]),
         }
     m = _LINE.match(line.strip())
     if not m:

@@ -137,6 +137,8 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
         hoist_transpose=opts.hoist_transpose,
         **common,
     )
+    # Not FBGEMM's own start (uniform(-3e-4, 3e-4) in its device commands, zeros in vbe): the kernels'
+    # times do not depend on the values, and every contender copies these weights.
     gen = torch.Generator(device=opts.device).manual_seed(0)
     with torch.no_grad():
         for table in ours.split_embedding_weights():

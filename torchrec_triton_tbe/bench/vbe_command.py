@@ -9,10 +9,17 @@ value applies to every table; ``--bag-size-sigma-list None`` draws every bag siz
 (the same sizes, through the generator's variable-size path, whose draws differ); row-wise Adagrad,
 learning rate and eps 0.1. What FBGEMM's command itself refuses (``--bench-num-requests`` other than
 the iterations, a GPU cache flush, host-mapped UVM) and what TritonTBE does not have (SSD tables, other
-embedding locations, merged outputs of several ops, traces) is refused with the reason. The A/B options
-(``--compare``, ``--check``, ``--optimizer``, ``--json``, ...) are this CLI's, as for ``device``.
+embedding locations, merged outputs of several ops, traces) is refused with the reason; what FBGEMM's
+command takes and ignores (``--emb-location``; ``--print-kernel-summary`` and ``--upload-perf-data``
+without a trace) is accepted with a note. The A/B options (``--compare``, ``--check``, ``--optimizer``,
+``--json``, ...) are this CLI's, as for ``device``.
 Lines: FBGEMM's two, ``T: .., Bs: [..], Ds: [..], Ls: [..], Es: [..], alphas: [..]`` and ``fwd: Xus,
-bwd: Yus``, per kernel (and optimizer), from the median times (FBGEMM's are means).
+bwd: Yus``, per kernel (and optimizer), from median times, as FBGEMM's ``benchmark_vbe`` reports them
+(fbgemm-gpu 1.6.0 prints no ``alphas:``). The loop is not FBGEMM's: that one times forward and backward
+in one loop over the batches (the backward's gradient a fresh ``rand_like`` each time) after
+``--bench-warmup-iterations`` forward-backward runs on the first batch; here, as for ``device``, the
+forward and the backward (its forward outside the timed region, one fixed ``randn`` gradient) are timed
+in two loops, each after that many warm-up runs plus one, walking the batches (bench/timing.py says why).
 """
 
 from __future__ import annotations
@@ -32,21 +39,27 @@ from torchrec_triton_tbe.bench.case import (
 _LOCATIONS = ("device", "managed", "managed_caching", "host", "mtia")
 # FBGEMM's vbe options that name what is not benchmarked here: name -> (FBGEMM's default, why refused).
 VBE_REFUSED = {
-    "print_kernel_summary": (False, "needs a profiler trace, not taken here (tools/profile_kernels.py profiles kernels)"),
     "ssd": (False, "no SSD tables here"),
     "merge_output": (False, "merged outputs of several TBE ops are not benchmarked here (TritonTBE takes "
                      "vbe_output: tests/test_vbe.py)"),
     "bench_flush_gpu_cache_size": (0, "FBGEMM's vbe command refuses it too"),
     "bench_export_trace": (False, "trace export is not implemented here"),
-    "upload_perf_data": (False, "trace export is not implemented here"),
     "emb_uvm_host_mapped": (False, "FBGEMM's vbe command refuses it too"),
-    "emb_location": ("device", "every table lives in device memory here"),
+}
+# Options FBGEMM's vbe command takes and does not read (fbgemm-gpu 1.6.0 to its main branch): its tables
+# are in device memory whatever --emb-location says, and the other two act only on the trace that
+# --bench-export-trace (refused above) would take. Accepted at any value, as there, with a note saying so.
+VBE_IGNORED = {
+    "emb_location": ("device", "FBGEMM's vbe command ignores it: its tables are in device memory (as here)"),
+    "print_kernel_summary": (False, "FBGEMM's vbe command reads it only with --bench-export-trace"),
+    "upload_perf_data": (False, "FBGEMM's vbe command reads it only with --bench-export-trace"),
 }
 
 
 def build_vbe_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrec-triton-tbe-bench vbe",
+        allow_abbrev=False,  # as FBGEMM's click: `--alpha` is not `--alpha-list`
         description="A/B benchmark of TritonTBE vs FBGEMM's TBE with a variable batch per feature, in the "
         "format of FBGEMM's split_table_batched_embeddings_benchmark.py vbe (same options and defaults).",
     )
@@ -96,6 +109,12 @@ def refused(args: argparse.Namespace) -> Optional[str]:
     if args.suite:
         return "vbe with --suite: a suite's shapes say their own command (`command:`)"
     return None
+
+
+def ignored(args: argparse.Namespace) -> list[str]:
+    """Notes for the options given that FBGEMM's vbe command takes and ignores (VBE_IGNORED)."""
+    return [f"note: --{name.replace('_', '-')} {getattr(args, name)}: {why}"
+            for name, (default, why) in VBE_IGNORED.items() if getattr(args, name) != default]
 
 
 def _alphas(text: str, T: int) -> tuple[float, ...]:
