@@ -71,14 +71,15 @@ def test_padding_past_the_last_bag_changes_no_bit(optimizer, weighted):
     assert int(results[0][-1]) == 3
 
 
-def _spec_with(graph_cache: int):
-    m, _ = make_pair(SPECS, FTM, oracle="reference", seed=0, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+def _spec_with(graph_cache: int, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+    m, _ = make_pair(SPECS, FTM, oracle="reference", seed=0, optimizer=optimizer)
     cfg = m.kernel_config.replace_backward(graph_cache=graph_cache)
     return m, dataclasses.replace(m.spec, config=cfg)
 
 
-def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
-    m, spec = _spec_with(graph_cache=2)
+@pytest.mark.parametrize("optimizer", [EmbOptimType.ADAM, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies(optimizer):
+    m, spec = _spec_with(graph_cache=2, optimizer=optimizer)
     graphs = BackwardGraphs()
     state = m.optimizer_tensors()
     seen = []
@@ -95,8 +96,10 @@ def test_first_call_of_a_key_runs_eagerly_on_padded_static_copies():
         step = torch.tensor([n], dtype=torch.int64)  # the forward's own count (autograd.StepVersion)
         graphs.run(spec, state, idx, off, grad, None, step, 1, body)
         st, i, o, g, w = seen[-1]
-        # The count is a static input as the ids: loaded into the key's own slot, not the module's iter.
-        assert torch.equal(st.step, step) and st.step.data_ptr() not in (step.data_ptr(), state.step.data_ptr())
+        # The count is a static input as the ids: loaded into the key's own slot, not the module's iter;
+        # only where the update reads it (spec.reads_step_count): row-wise Adagrad's slot stays 0, unread.
+        loaded = step if spec.reads_step_count else torch.zeros_like(step)
+        assert torch.equal(st.step, loaded) and st.step.data_ptr() not in (step.data_ptr(), state.step.data_ptr())
         assert st.weights is state.weights and st.learning_rate is state.learning_rate
         assert i.numel() == padded_lookups(n) and torch.equal(i[:n], idx)
         assert torch.equal(o, off) and w is None

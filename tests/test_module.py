@@ -302,6 +302,33 @@ def test_a_backward_applies_its_own_forwards_step_count():
     assert int(ours.iter) == 21
 
 
+@pytest.mark.parametrize("optimizer,weights,sr,copies", [
+    (EmbOptimType.EXACT_SGD, SparseType.FP32, False, False),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, False, False),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, True, True),  # the count seeds the rounding
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32, True, False),  # fp32: nothing to round
+    (EmbOptimType.ADAM, SparseType.FP32, False, True),  # bias correction
+    (EmbOptimType.LAMB, SparseType.FP32, False, True),
+], ids=["sgd", "rwa_fp16", "rwa_fp16_sr", "rwa_fp32_sr", "adam", "lamb"])
+def test_a_training_forward_copies_its_count_only_where_the_update_reads_it(optimizer, weights, sr, copies):
+    """A training forward keeps its own copy of the count for its backward where the update reads it
+    (spec.reads_step_count); otherwise the backward is handed ``iter`` itself (no device copy, one launch
+    less per training forward), whose later value it does not use. (That the updates still equal FBGEMM's
+    through eval forwards: test_every_forward_advances_the_step_count_as_fbgemms_does and
+    test_a_backward_applies_its_own_forwards_step_count.)"""
+    m = TritonTBE(SPECS, device="cpu", optimizer=optimizer, weights_precision=weights, stochastic_rounding=sr)
+    assert m.spec.reads_step_count is copies
+    ids, offs = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3])
+    out = m(ids[:2], offs[:3])
+    saved = out.grad_fn.step.saved  # the TBEFunction context: autograd.StepVersion
+    assert (saved is not m.iter) is copies and int(saved) == int(m.iter) == 1
+    with torch.no_grad():
+        m(ids[:2], offs[:3])
+    assert int(m.iter) == 2 and int(saved) == (1 if copies else 2)
+    out.backward(torch.ones(1, m.total_D))
+    assert int(m.iter) == 2
+
+
 def test_a_repeated_backward_applies_its_forwards_step_count(monkeypatch):
     """A backward run again (retain_graph, or a retry after the non-finite guard raised) after later
     forwards applies its own forward's count, as FBGEMM's, whose backward keeps the count it was given."""

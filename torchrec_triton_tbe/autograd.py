@@ -63,7 +63,9 @@ class StepVersion:
     when autograd recorded the forward (a backward may come, also again: a retry after an error,
     ``retain_graph``), copies the new count into ``saved``: one small device copy per training forward,
     made on the forward's stream, which is where autograd runs its backward. The backward applies that
-    copy and never reads ``iter``, so nothing it does races with later forwards on other streams."""
+    copy and never reads ``iter``, so nothing it does races with later forwards on other streams. An
+    update that does not use the count (``TBESpec.reads_step_count``: SGD, Adagrad, LARS without
+    stochastic rounding) gets ``iter`` itself, no copy: its kernels take the pointer and use no value."""
 
     __slots__ = ("saved",)
 

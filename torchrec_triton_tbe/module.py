@@ -350,11 +350,14 @@ class TritonTBE(nn.Module):
         )
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
         # count. Advanced once the forward has not raised (no kernel of it reads the count); a forward
-        # autograd recorded keeps a copy of its count for its backward (autograd.StepVersion).
+        # autograd recorded keeps a copy of its count for its backward (autograd.StepVersion) where the
+        # update reads it. Where it does not (SGD, Adagrad, LARS without stochastic rounding) the backward
+        # gets the buffer itself, never read through: one launch less per training forward, which
+        # launch-bound batches wait for.
         self._follow_last_stream()
         self.iter.add_(1)
         if torch.is_grad_enabled():
-            step.saved = self.iter.clone()
+            step.saved = self.iter.clone() if spec.reads_step_count else self.iter
         return out
 
     @property

@@ -79,7 +79,7 @@ class _Entry:
         self.indices = torch.zeros(n_static, dtype=indices.dtype, device=indices.device)
         self.offsets = torch.empty_like(offsets)
         self.psw = torch.zeros(n_static, dtype=psw.dtype, device=psw.device) if psw is not None else None
-        self.step = torch.empty_like(step)
+        self.step = torch.zeros_like(step)
         self.grad_out: Optional[torch.Tensor] = None  # the static copy, made once the addresses vary
         # Gradient address -> graph reading it in place; None -> the graph reading self.grad_out.
         self.graphs: "dict[Optional[int], torch.cuda.CUDAGraph]" = {}
@@ -91,7 +91,8 @@ class _Entry:
         self.offsets.copy_(offsets)
         if psw is not None:
             self.psw[: psw.numel()].copy_(psw)
-        self.step.copy_(step)
+        if self.spec.reads_step_count:  # otherwise no kernel reads the slot: a copy less per replay
+            self.step.copy_(step)
 
     def grad_slot(self, grad_out: torch.Tensor) -> Optional[int]:
         """The graph this gradient replays: its address's, or None (the static copy's)."""

@@ -170,6 +170,12 @@ class TBESpec:
         return {}
 
     @property
+    def reads_step_count(self) -> bool:
+        """Whether the backward's update reads the step count: Adam / LAMB bias correction, or the seed
+        of stochastic rounding. Otherwise the kernels take a count pointer and never read through it."""
+        return self.optimizer.uses_step or self.sr_drop_bits > 0
+
+    @property
     def sr_drop_bits(self) -> int:
         if not self.stochastic_rounding:
             return 0
