@@ -500,7 +500,8 @@ def test_module_copies_after_a_forward_without_its_last_stream():
     m = TritonTBE([(20, 8)], optimizer=EmbOptimType.ADAM, device="cpu")
     m(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).sum().backward()
     m._last_stream.stream = threading.Lock()
-    for twin in (copy.deepcopy(m), *(pickle.loads(pickle.dumps(m, protocol=p)) for p in range(2, pickle.HIGHEST_PROTOCOL + 1))):
+    # Every protocol, 0 and 1 too (autograd.HyperVersion's __slots__ need its __getstate__ there).
+    for twin in (copy.deepcopy(m), *(pickle.loads(pickle.dumps(m, protocol=p)) for p in range(pickle.HIGHEST_PROTOCOL + 1))):
         assert twin._last_stream.stream is None and int(twin.iter) == int(m.iter) == 1
         assert torch.equal(twin.weights, m.weights) and torch.equal(twin.momentum2, m.momentum2)
     assert m.placeholder_autograd_tensor.dtype == torch.float32  # FBGEMM's, whatever the default dtype

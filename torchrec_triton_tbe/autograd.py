@@ -52,6 +52,13 @@ class HyperVersion:
     def __init__(self) -> None:
         self.saved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (lr, hyper) once superseded
 
+    # __slots__ without these pickles only from protocol 2 on (a module pickled at 0 or 1 holds one).
+    def __getstate__(self) -> dict:
+        return {"saved": self.saved}
+
+    def __setstate__(self, state: dict) -> None:
+        self.saved = state["saved"]
+
 
 class StepVersion:
     """The step count one training forward ran under (FBGEMM's ``iter``).
@@ -71,6 +78,13 @@ class StepVersion:
 
     def __init__(self) -> None:
         self.saved: Optional[torch.Tensor] = None
+
+    # __slots__ without these pickles only from protocol 2 on (a module pickled at 0 or 1 holds one).
+    def __getstate__(self) -> dict:
+        return {"saved": self.saved}
+
+    def __setstate__(self, state: dict) -> None:
+        self.saved = state["saved"]
 
 
 class LastStream:
