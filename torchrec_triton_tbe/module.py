@@ -352,7 +352,7 @@ class TritonTBE(nn.Module):
         # count. Advanced once the forward has not raised (no kernel of it reads the count); a forward
         # autograd recorded keeps a copy of its count for its backward (autograd.StepVersion) where the
         # update reads it. Where it does not (SGD, Adagrad, LARS without stochastic rounding) the backward
-        # gets the buffer itself, never read through: one launch less per training forward, which
+        # gets the buffer itself, whose value it does not use: one launch less per training forward, which
         # launch-bound batches wait for.
         self._follow_last_stream()
         self.iter.add_(1)
