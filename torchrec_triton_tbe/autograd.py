@@ -38,19 +38,10 @@ class LookupCall:
     check_finite: bool = False
 
 
-class HyperVersion:
-    """The learning rate and hyper-parameters a module's forwards ran under, until they change.
-
-    FBGEMM's forward clones its learning-rate tensor and takes eps, betas and weight decay as arguments,
-    so a backward applies the values in effect at its forward even when they change in between (as
-    TorchRec's fused optimizer does in ``zero_grad()``, which many loops call after the forward). The
-    module keeps no copy per forward: a change supersedes its current version and leaves it copies of
-    the values its forwards saw (``saved``), which their backwards apply (``TBEFunction.backward``)."""
+class _Saved:
+    """A holder of one ``saved`` value (HyperVersion, StepVersion), picklable at every protocol."""
 
     __slots__ = ("saved",)
-
-    def __init__(self) -> None:
-        self.saved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (lr, hyper) once superseded
 
     # __slots__ without these pickles only from protocol 2 on (a module pickled at 0 or 1 holds one).
     def __getstate__(self) -> dict:
@@ -60,7 +51,22 @@ class HyperVersion:
         self.saved = state["saved"]
 
 
-class StepVersion:
+class HyperVersion(_Saved):
+    """The learning rate and hyper-parameters a module's forwards ran under, until they change.
+
+    FBGEMM's forward clones its learning-rate tensor and takes eps, betas and weight decay as arguments,
+    so a backward applies the values in effect at its forward even when they change in between (as
+    TorchRec's fused optimizer does in ``zero_grad()``, which many loops call after the forward). The
+    module keeps no copy per forward: a change supersedes its current version and leaves it copies of
+    the values its forwards saw (``saved``), which their backwards apply (``TBEFunction.backward``)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        self.saved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (lr, hyper) once superseded
+
+
+class StepVersion(_Saved):
     """The step count one training forward ran under (FBGEMM's ``iter``).
 
     FBGEMM's forward advances its count and passes the new value to its backward as an argument, so a
@@ -74,17 +80,10 @@ class StepVersion:
     update that does not use the count (``TBESpec.reads_step_count``: SGD, Adagrad, LARS without
     stochastic rounding) gets ``iter`` itself, no copy: its kernels take the pointer and use no value."""
 
-    __slots__ = ("saved",)
+    __slots__ = ()
 
     def __init__(self) -> None:
         self.saved: Optional[torch.Tensor] = None
-
-    # __slots__ without these pickles only from protocol 2 on (a module pickled at 0 or 1 holds one).
-    def __getstate__(self) -> dict:
-        return {"saved": self.saved}
-
-    def __setstate__(self, state: dict) -> None:
-        self.saved = state["saved"]
 
 
 class LastStream:

@@ -31,6 +31,7 @@ from torchrec_triton_tbe.bench.case import (
     PRECISIONS,
     BenchCase,
     _comma_list,
+    _flag,
     add_ab_options,
     check_fbgemm_only_options,
 )
@@ -113,7 +114,7 @@ def refused(args: argparse.Namespace) -> Optional[str]:
 
 def ignored(args: argparse.Namespace) -> list[str]:
     """Notes for the options given that FBGEMM's vbe command takes and ignores (VBE_IGNORED)."""
-    return [f"note: --{name.replace('_', '-')} {getattr(args, name)}: {why}"
+    return [f"note: {_flag(name)} {getattr(args, name)}: {why}"
             for name, (default, why) in VBE_IGNORED.items() if getattr(args, name) != default]
 
 
