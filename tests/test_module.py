@@ -213,7 +213,7 @@ def test_parameters_are_fbgemms_placeholder():
 
 
 def test_optimizer_step_counter():
-    m = TritonTBE(SPECS, device="cpu")
+    m = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     m.set_optimizer_step(41)
     m(torch.tensor([1]), torch.tensor([0, 1, 1])).sum().backward()
     assert int(m.iter) == 42
@@ -227,9 +227,8 @@ def test_every_forward_advances_the_step_count_as_fbgemms_does(optimizer):
     """FBGEMM's forward advances ``iter`` (eval forwards and forwards under no_grad too) and hands the
     count to its backward. Oracle: FBGEMM's CPU TBE through training steps, no_grad forwards, an eval
     forward in training mode whose output is dropped, and two forwards before their backwards; weights,
-    state and (for row-wise Adagrad, where FBGEMM keeps it) the count agree throughout. For SGD FBGEMM
-    leaves ``iter`` at 0 (nothing it computes reads it); here it counts there too (it seeds stochastic
-    rounding)."""
+    state and the count agree throughout. FBGEMM's SGD forward leaves ``iter`` at 0 (nothing it computes
+    reads it), and so does ours where stochastic rounding does not seed from it (fp32 weights here)."""
     ours, fb = make_pair([(8, 4), (6, 8)], oracle="fbgemm", optimizer=optimizer, learning_rate=0.1, eps=0.5)
     g = torch.Generator().manual_seed(4)
     indices, offsets = torch.tensor([1, 1, 5, 2, 0]), torch.tensor([0, 2, 3, 4, 5])
@@ -255,9 +254,9 @@ def test_every_forward_advances_the_step_count_as_fbgemms_does(optimizer):
                 second.backward(gs[1][:1])
         for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
             assert_close(a, b, f"{optimizer.name} after {what}", atol=1e-6, rtol=1e-5)
-    assert int(ours.iter) == sum(forwards[w] for w in plan)
+    assert int(ours.iter) == int(fb.iter)
+    assert int(ours.iter) == (0 if optimizer == EmbOptimType.EXACT_SGD else sum(forwards[w] for w in plan))
     if optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-        assert int(ours.iter) == int(fb.iter)
         for a, b in zip(ours.split_optimizer_states(), fb.split_optimizer_states()):
             assert_close(a[0], b[0], "row-wise Adagrad state", atol=1e-6, rtol=1e-5)
 
@@ -302,31 +301,36 @@ def test_a_backward_applies_its_own_forwards_step_count():
     assert int(ours.iter) == 21
 
 
-@pytest.mark.parametrize("optimizer,weights,sr,copies", [
-    (EmbOptimType.EXACT_SGD, SparseType.FP32, False, False),
-    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, False, False),
-    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, True, True),  # the count seeds the rounding
-    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32, True, False),  # fp32: nothing to round
-    (EmbOptimType.ADAM, SparseType.FP32, False, True),  # bias correction
-    (EmbOptimType.LAMB, SparseType.FP32, False, True),
-], ids=["sgd", "rwa_fp16", "rwa_fp16_sr", "rwa_fp32_sr", "adam", "lamb"])
-def test_a_training_forward_copies_its_count_only_where_the_update_reads_it(optimizer, weights, sr, copies):
-    """A training forward keeps its own copy of the count for its backward where the update reads it
-    (spec.reads_step_count); otherwise the backward is handed ``iter`` itself (no device copy, one launch
-    less per training forward), whose later value it does not use. (That the updates still equal FBGEMM's
-    through eval forwards: test_every_forward_advances_the_step_count_as_fbgemms_does and
+@pytest.mark.parametrize("optimizer,weights,sr,copies,counts", [
+    (EmbOptimType.EXACT_SGD, SparseType.FP32, False, False, False),  # as FBGEMM's SGD: no count
+    (EmbOptimType.EXACT_SGD, SparseType.FP16, True, True, True),  # the count seeds the rounding
+    (EmbOptimType.EXACT_ADAGRAD, SparseType.FP16, False, False, False),
+    (EmbOptimType.LARS_SGD, SparseType.FP32, False, False, False),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, False, False, True),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP16, True, True, True),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32, True, False, True),  # fp32: nothing to round
+    (EmbOptimType.ADAM, SparseType.FP32, False, True, True),  # bias correction
+    (EmbOptimType.LAMB, SparseType.FP32, False, True, True),
+], ids=["sgd", "sgd_fp16_sr", "adagrad", "lars", "rwa_fp16", "rwa_fp16_sr", "rwa_fp32_sr", "adam", "lamb"])
+def test_a_training_forward_copies_its_count_only_where_the_update_reads_it(optimizer, weights, sr, copies, counts):
+    """A forward advances the count where FBGEMM's does (every optimizer but SGD, Adagrad and LARS) or
+    where the update reads it (spec.advances_step_count), and a training forward keeps its own copy of
+    it for its backward where the update reads it (spec.reads_step_count); otherwise the backward is
+    handed ``iter`` itself (no device copy, one launch less per training forward), whose later value it
+    does not use. (That the updates still equal FBGEMM's through eval forwards:
+    test_every_forward_advances_the_step_count_as_fbgemms_does and
     test_a_backward_applies_its_own_forwards_step_count.)"""
     m = TritonTBE(SPECS, device="cpu", optimizer=optimizer, weights_precision=weights, stochastic_rounding=sr)
-    assert m.spec.reads_step_count is copies
+    assert m.spec.reads_step_count is copies and m.spec.advances_step_count is counts
     ids, offs = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3])
     out = m(ids[:2], offs[:3])
     saved = out.grad_fn.step.saved  # the TBEFunction context: autograd.StepVersion
-    assert (saved is not m.iter) is copies and int(saved) == int(m.iter) == 1
+    assert (saved is not m.iter) is copies and int(saved) == int(m.iter) == int(counts)
     with torch.no_grad():
         m(ids[:2], offs[:3])
-    assert int(m.iter) == 2 and int(saved) == (1 if copies else 2)
+    assert int(m.iter) == 2 * counts and int(saved) == (1 if copies else 2 * counts)
     out.backward(torch.ones(1, m.total_D))
-    assert int(m.iter) == 2
+    assert int(m.iter) == 2 * counts
 
 
 def test_a_repeated_backward_applies_its_forwards_step_count(monkeypatch):

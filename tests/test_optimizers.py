@@ -129,7 +129,7 @@ def test_hyper_parameter_updates_reach_the_next_step(name):
         grad = torch.randn(out.shape, generator=g)
         oracle_step(ref, batch, grad)
         out.backward(grad)
-    assert int(ours.iter) == 8
+    assert int(ours.iter) == (7 if name == "lars-sgd" else 8)  # LARS's forward, as FBGEMM's, counts nothing
     assert_same_state(ours, ref, "reference", f"{name} after hyper-parameter updates", torch.float32, torch.float32)
 
 

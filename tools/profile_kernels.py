@@ -2,9 +2,11 @@
 
     python tools/profile_kernels.py --shape vbe_t16_b1k_64k [--shape d32_uniform ...] [--passes fwd,bwd]
         [--optimizer exact_rowwise_adagrad] [--iters 10] [--suite h200] [--json out.json]
+        [--compare fbgemm,torchrec_triton --torchrec-checkout .stage/torchrec]
 
 Any suite shape the bench runs (fixed or variable batch, pooled or sequence): the bench's workload and
-modules (bench.runner.build_modules: identical weights), warmed up, then ``--iters`` calls of each pass
+modules (bench.runner.build_modules: identical weights; ``--compare`` as the bench's, FBGEMM's by
+default, TorchRec's Triton TBE from a checkout as in the bench), warmed up, then ``--iters`` calls of each pass
 under torch.profiler, each kernel's device time summed by name and divided by the iterations. Beside it,
 each pass's event time (median, timed as the bench times it: bench.timing.time_steps), so the kernels'
 sum can be read against the wall: a sum well below the event time means gaps (launch-bound or streams idle), above it means kernels overlapped on
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -24,8 +27,12 @@ import torch
 
 from torchrec_triton_tbe.bench.batches import make_workload
 from torchrec_triton_tbe.bench.case import load_suite
-from torchrec_triton_tbe.bench.runner import RunOptions, backward_step, build_modules, forward_step
+from torchrec_triton_tbe.bench import peers
+from torchrec_triton_tbe.bench.runner import RunOptions, backward_step, build_modules, forward_step, skip_reason
 from torchrec_triton_tbe.bench.timing import time_steps
+
+
+_LABEL = {"triton": "ours"}  # the JSON keys of earlier runs: ours, fbgemm
 
 
 def _kernels(step, iters: int) -> dict[str, dict]:
@@ -56,9 +63,11 @@ def main() -> int:
     ap.add_argument("--optimizer", default="exact_rowwise_adagrad")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--compare", default="fbgemm", help="comma list: fbgemm, torchrec_triton")
+    ap.add_argument("--torchrec-checkout", default=os.environ.get(peers.CHECKOUT_ENV))
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("profile_kernels: needs a GPU (FBGEMM's CUDA TBE beside ours)")
+        raise SystemExit("profile_kernels: needs a GPU (the CUDA kernels beside ours)")
     dev = torch.device("cuda")
     _, shapes = load_suite(args.suite, {})
     by_name = {s.case.name: s.case for s in shapes}
@@ -67,11 +76,16 @@ def main() -> int:
         if name not in by_name:
             raise SystemExit(f"{name}: not a shape of suite {args.suite}")
         w = make_workload(by_name[name], dev)
-        mods = build_modules(w, args.optimizer, RunOptions(device=dev, compare=("fbgemm",)))
+        mods = build_modules(w, args.optimizer, RunOptions(device=dev, compare=args.compare,
+                                                            torchrec_checkout=args.torchrec_checkout))
+        for kernel, why in mods.errors.items():
+            print(f"{name}: {kernel} not built: {why}")
         for p in args.passes.split(","):
             make = {"fwd": forward_step, "bwd": backward_step}[p]
             entry = {"shape": name, "pass": p, "optimizer": args.optimizer if p == "bwd" else None}
-            for label, mod in (("ours", mods["triton"]), ("fbgemm", mods["fbgemm"])):
+            labels = [(_LABEL.get(k, k), m) for k, m in mods.items()
+                      if skip_reason(k, w, args.optimizer if p == "bwd" else None, dev) is None]
+            for label, mod in labels:
                 step = make(mod, w)
                 for i in range(3):  # compile, capture, caches
                     step(i)()
@@ -82,8 +96,8 @@ def main() -> int:
             report.append(entry)
             print(f"\n{name} {p}" + (f" ({args.optimizer})" if p == "bwd" else "")
                   + "".join(f"; {lab}: event {entry[lab]['event_ms']:.3f} ms, kernels {entry[lab]['kernel_sum_ms']:.3f} ms"
-                            for lab in ("ours", "fbgemm")))
-            for lab in ("ours", "fbgemm"):
+                            for lab, _ in labels))
+            for lab, _ in labels:
                 print(f"| {lab} kernel | calls | us |\n|---|---|---|")
                 for kname, k in list(entry[lab]["kernels"].items())[:12]:
                     print(f"| {kname[:90]} | {k['calls']:.1f} | {k['us']:.1f} |")

@@ -212,7 +212,8 @@ class TritonTBE(nn.Module):
             persistent=False,
         )
         self._hyper_version = HyperVersion()
-        # Advanced by each forward, as FBGEMM's (autograd.StepVersion); seeds stochastic rounding too.
+        # Advanced by each forward where FBGEMM's is, and where it seeds stochastic rounding
+        # (TBESpec.advances_step_count; autograd.StepVersion).
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self._last_stream = LastStream()
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
@@ -349,13 +350,15 @@ class TritonTBE(nn.Module):
             None if vbe is None else vbe.output, call, vbe, self._hyper_version, step,
         )
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
-        # count. Advanced once the forward has not raised (no kernel of it reads the count); a forward
-        # autograd recorded keeps a copy of its count for its backward (autograd.StepVersion) where the
-        # update reads it. Where it does not (SGD, Adagrad, LARS without stochastic rounding) the backward
-        # gets the buffer itself, whose value it does not use: one launch less per training forward, which
-        # launch-bound batches wait for.
-        self._follow_last_stream()
-        self.iter.add_(1)
+        # count; FBGEMM's SGD, Adagrad and LARS forwards leave it, and so do these unless stochastic
+        # rounding seeds from it (TBESpec.advances_step_count). Advanced once the forward has not raised
+        # (no kernel of it reads the count); a forward autograd recorded keeps a copy of its count for its
+        # backward (autograd.StepVersion) where the update reads it. Where it does not (SGD, Adagrad, LARS
+        # without stochastic rounding) the backward gets the buffer itself, whose value it does not use:
+        # launch-bound batches wait for every launch the host issues.
+        if spec.advances_step_count:
+            self._follow_last_stream()
+            self.iter.add_(1)
         if torch.is_grad_enabled():
             step.saved = self.iter.clone() if spec.reads_step_count else self.iter
         return out

@@ -154,23 +154,29 @@ def join_streams(streams: list, device: torch.device) -> None:
         streams[0].wait_event(e)
 
 
-@contextlib.contextmanager
-def joined(streams: list, device: torch.device) -> Iterator[None]:
+_NO_STREAMS = contextlib.nullcontext()
+
+
+def joined(streams: list, device: torch.device) -> contextlib.AbstractContextManager:
     """Joins ``streams`` (bucket_streams) after the block, also when it raises: kernels already queued
     on the side streams read tensors the failing call frees, and only the join orders the reuse of that
     memory. A join that fails after the block raised (a sticky CUDA error, a broken capture) is noted
-    on the block's error, which stays the one raised."""
+    on the block's error, which stays the one raised. Without side streams, a reused no-op context
+    (a generator context costs a launch-bound forward ~1.4 µs of host time)."""
+    return _joined(streams, device) if streams else _NO_STREAMS
+
+
+@contextlib.contextmanager
+def _joined(streams: list, device: torch.device) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        if streams:
-            try:
-                join_streams(streams, device)
-            except Exception as join_error:  # noqa: BLE001 - reported on the error that caused it
-                error.add_note(f"joining the side streams after this error failed too: {join_error!r}")
+        try:
+            join_streams(streams, device)
+        except Exception as join_error:  # noqa: BLE001 - reported on the error that caused it
+            error.add_note(f"joining the side streams after this error failed too: {join_error!r}")
         raise
-    if streams:
-        join_streams(streams, device)
+    join_streams(streams, device)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -169,11 +169,20 @@ class TBESpec:
         the config on every call cost the host more than the launch itself."""
         return {}
 
-    @property
+    @functools.cached_property
     def reads_step_count(self) -> bool:
         """Whether the backward's update reads the step count: Adam / LAMB bias correction, or the seed
-        of stochastic rounding. Otherwise the kernels take a count pointer and never read through it."""
+        of stochastic rounding. Otherwise the kernels take a count pointer and never read through it.
+        Cached: the forward asks on every call."""
         return self.optimizer.uses_step or self.sr_drop_bits > 0
+
+    @functools.cached_property
+    def advances_step_count(self) -> bool:
+        """Whether a forward advances the step count (the module's ``iter``): where FBGEMM's forward does
+        (every optimizer but SGD, Adagrad and LARS, whose FBGEMM forwards return before the count moves),
+        and where an update here reads it (stochastic rounding's seed). Elsewhere nothing reads it, and
+        leaving it is one device launch less per forward."""
+        return self.optimizer.optim not in (Optim.EXACT_SGD, Optim.EXACT_ADAGRAD, Optim.LARS_SGD) or self.reads_step_count
 
     @property
     def sr_drop_bits(self) -> int:
