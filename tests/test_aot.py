@@ -17,7 +17,6 @@ KERNELS = {
     "_vbe_layout_kernel",
     "_check_indices_kernel",
     "_check_offsets_kernel",
-    "_repair_offsets_kernel",
     "_linearize_kernel",
     "_run_flags_kernel",
     "_run_starts_kernel",
@@ -36,7 +35,7 @@ KERNELS = {
 ATOMIC_FREE = {"_small_forward_kernel", "_small_backward_partials_kernel", "_small_backward_apply_kernel",
                "_sequence_forward_kernel", "_vbe_layout_kernel", "_backward_short_kernel", "_backward_long_partials_kernel", "_backward_long_apply_kernel",
                "_psw_grad_kernel", "_linearize_kernel", "_run_flags_kernel", "_run_starts_kernel",
-               "_run_chunks_kernel", "_chunk_offsets_kernel", "_repair_offsets_kernel"}
+               "_run_chunks_kernel", "_chunk_offsets_kernel"}
 
 
 # sm_90 specializations of the covering set that spill registers under Triton 3.6 or 3.8 (a stack frame or

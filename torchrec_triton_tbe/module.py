@@ -217,8 +217,8 @@ class TritonTBE(nn.Module):
         self.register_buffer("iter", torch.zeros(1, dtype=torch.int64, device=dev))
         self._last_stream = LastStream()
         self.register_buffer("bounds_check_warning", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
-        # Raised by the offsets check when a batch needs the repair, cleared by the repair (ops/bounds.py).
-        self.register_buffer("_bounds_repair_flag", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
+        # The offsets check's count of bad bags and its programs' tickets, zero between calls (ops/bounds.py).
+        self.register_buffer("_bounds_scratch", torch.zeros(2, dtype=torch.int32, device=dev), persistent=False)
         self.register_buffer("D_offsets", torch.tensor(plan.D_offsets, dtype=torch.int32, device=dev), persistent=False)
         # Makes autograd run backward (the fused optimizer) even when no input needs a gradient. A
         # zero-size Parameter, as FBGEMM's: the module's parameters() list it (and it alone, as FBGEMM's
@@ -340,7 +340,7 @@ class TritonTBE(nn.Module):
             bounds_ops.check_finite("per_sample_weights", per_sample_weights)
         bufs = self._buffers
         bounds_ops.check_and_repair(
-            spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_repair_flag"],
+            spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_scratch"],
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)

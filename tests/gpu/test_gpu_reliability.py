@@ -280,3 +280,34 @@ def test_batch_of_one_and_all_empty_batches(pooling, optimizer):
     torch.cuda.synchronize()
     for a, b in zip(before, everything(ours)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_the_offsets_checks_last_program_repairs_after_every_program_counted(index_dtype):
+    """WARNING's offsets check and repair are one launch (kernels/bounds.py): the program taking the
+    last ticket repairs, so on the GPU it must see every other program's count (a race would leave a
+    batch unrepaired, or repaired and not counted). Bad bags near the first, a middle and the last of
+    ~1,600 programs, 20 batches in a row on one stream; oracle: ops/bounds.py's PyTorch repair
+    (cummax of the clamped offsets, FBGEMM's result) and the count of bad bags + the wrong last offset."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode
+    from torchrec_triton_tbe.ops.bounds import _invalid_bags, _repaired_offsets
+
+    T, B, L = 4, 400_000, 2
+    m = TritonTBE([(1000, 8)] * T, device=DEV, bounds_check_mode=BoundsCheckMode.WARNING)
+    N = T * B * L
+    indices = torch.randint(0, 1000, (N,), device=DEV, dtype=index_dtype)
+    expected_count = 0
+    for trial in range(20):
+        offsets = torch.arange(0, N + 1, L, device=DEV, dtype=index_dtype)
+        if trial % 2:  # every other batch valid: the scratch must come back to zero in between
+            for pos in (3, 1024 * 700 + 5, T * B - 2):
+                offsets[pos] = N + 7 + trial
+            offsets[-1] = N - 1
+        want = _repaired_offsets(offsets, N).to(index_dtype)
+        bad = int(_invalid_bags(offsets, N).sum()) + int(offsets[-1] != N)
+        expected_count += bad
+        m(indices, offsets)
+        torch.cuda.synchronize()
+        assert torch.equal(offsets, want), f"batch {trial}: offsets not repaired as FBGEMM's"
+        assert int(m.bounds_check_warning) == expected_count, f"batch {trial}"
+        assert m._bounds_scratch.tolist() == [0, 0], f"batch {trial}: scratch left non-zero"

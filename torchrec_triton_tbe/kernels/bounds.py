@@ -1,9 +1,8 @@
 """Index bounds check: validate (FATAL) or validate-and-repair (WARNING / IGNORE) offsets and ids.
 
-Offsets (WARNING / IGNORE): a parallel check counts the bad bags and raises a device flag; a
-one-program repair then runs FBGEMM's sequential per-bag repair (a running max over clamped offsets,
-see ops/bounds.py) only when the flag is up, so valid batches cost two small launches and no
-host-side tensor ops. Ids: one flat pass over the id positions, each id's feature found by a binary
+Offsets (WARNING / IGNORE): a parallel check counts the bad bags, and its last program to finish
+runs FBGEMM's sequential per-bag repair (a running max over clamped offsets, see ops/bounds.py) only
+when the count is not 0, so valid batches cost one small launch and no host-side tensor ops. Ids: one flat pass over the id positions, each id's feature found by a binary
 search over the features' first offsets, reading each id once (4 or 8 bytes per lookup) and writing
 only the ids it repairs. The same device function repairs ids inside the forward kernel when the
 check is fused.
@@ -97,15 +96,31 @@ def _check_indices_kernel(
                 tl.atomic_add(warning_ptr, nbad.to(tl.int64))
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
 # N (the ids' count) is compared with offsets, never a mask bound: not specialized, or every batch
 # whose count changes its divisibility by 16 would compile this kernel again.
 @triton.jit(do_not_specialize=["N"])
-def _check_offsets_kernel(offsets_ptr, flag_ptr, warning_ptr, num_bags, N, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+def _check_offsets_kernel(offsets_ptr, scratch_ptr, warning_ptr, num_bags, N, COUNT: tl.constexpr,
+                          BLOCK: tl.constexpr):
     """
     Grid: [cdiv(num_bags, BLOCK)]. Bag i = [offsets[i], offsets[i + 1]) is bad when it starts below 0,
     ends before it starts or ends past N = len(indices); program 0 also counts offsets[num_bags] != N.
-    Adds the count to flag_ptr (int32[1], the repair's trigger) and, with COUNT (WARNING), to the
-    module's warning counter (int64[1]). Integer atomics: the totals do not depend on program order.
+    Adds the count to scratch_ptr[0] (the repair's trigger) and, with COUNT (WARNING), to the module's
+    warning counter (int64[1]). Integer atomics: the totals do not depend on program order.
+
+    The last program to finish repairs the offsets when the count is not 0 (offsets[num_bags] = N, then
+    every offset becomes the running max of the offsets clamped into [0, N]: what FBGEMM's sequential
+    loop produces, each bag clamped into [0, N] and starting no earlier than the previous bag's end). It
+    walks them alone, in order, carrying the max across blocks; this runs only on bad input. The repair
+    reads offsets every program checks, so it must follow all of them: each program takes a ticket from
+    scratch_ptr[1] after its count (acq_rel atomics: a program's count is visible to whoever takes a later
+    ticket), and the one taking the last ticket repairs, then zeroes both words for the next call. This
+    was a second, one-program launch: launch-bound forwards wait for every launch the host issues.
+    scratch_ptr: the module's int32[2] zeros (count, tickets).
     """
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -117,32 +132,21 @@ def _check_offsets_kernel(offsets_ptr, flag_ptr, warning_ptr, num_bags, N, COUNT
     if pid == 0:
         n += (tl.load(offsets_ptr + num_bags).to(tl.int64) != N).to(tl.int32)
     if n > 0:
-        tl.atomic_add(flag_ptr, n)
+        tl.atomic_add(scratch_ptr, n, sem="acq_rel")
         if COUNT:
             tl.atomic_add(warning_ptr, n.to(tl.int64))
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit(do_not_specialize=["N"])  # as _check_offsets_kernel's N
-def _repair_offsets_kernel(offsets_ptr, flag_ptr, num_bags, N, BLOCK: tl.constexpr):
-    """
-    Grid: [1]. When the check raised the flag: offsets[num_bags] = N, then every offset becomes the
-    running max of the offsets clamped into [0, N] (what FBGEMM's sequential loop produces: each bag
-    clamped into [0, N], starting no earlier than the previous bag's end). One program walks the
-    offsets in order, carrying the max across blocks; it runs only on bad input. Clears the flag.
-    """
-    if tl.load(flag_ptr) > 0:
-        carry = tl.full([], 0, tl.int64)
-        for s in range(0, num_bags + 1, BLOCK):
-            i = s + tl.arange(0, BLOCK)
-            m = i <= num_bags
-            x = tl.load(offsets_ptr + i, mask=m, other=0).to(tl.int64)
-            x = tl.where(i == num_bags, N, tl.minimum(tl.maximum(x, 0), N))
-            x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
-            tl.store(offsets_ptr + i, x.to(offsets_ptr.dtype.element_ty), mask=m)
-            carry = tl.max(tl.where(m, x, 0), axis=0)
-        tl.store(flag_ptr, 0)
+    ticket = tl.atomic_add(scratch_ptr + 1, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        # An atomic read: the counts of every program, not a cached value.
+        if tl.atomic_add(scratch_ptr, 0, sem="acq_rel") > 0:
+            carry = tl.full([], 0, tl.int64)
+            for s in range(0, num_bags + 1, BLOCK):
+                j = s + tl.arange(0, BLOCK)
+                mj = j <= num_bags
+                x = tl.load(offsets_ptr + j, mask=mj, other=0).to(tl.int64)
+                x = tl.where(j == num_bags, N, tl.minimum(tl.maximum(x, 0), N))
+                x = tl.maximum(tl.associative_scan(x, 0, _max_combine), carry)
+                tl.store(offsets_ptr + j, x.to(offsets_ptr.dtype.element_ty), mask=mj)
+                carry = tl.max(tl.where(mj, x, 0), axis=0)
+        tl.store(scratch_ptr, 0)
+        tl.store(scratch_ptr + 1, 0)

@@ -27,7 +27,6 @@ from torchrec_triton_tbe.kernels.bounds import (
     REPAIR_SILENT,
     _check_indices_kernel,
     _check_offsets_kernel,
-    _repair_offsets_kernel,
 )
 from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
@@ -131,12 +130,13 @@ def check_and_repair(
     offsets: torch.Tensor,
     B: int,
     warning: torch.Tensor,
-    repair_flag: torch.Tensor,
+    scratch: torch.Tensor,
     ids: bool = True,
 ) -> None:
     """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
-    (fused bounds check); offsets are always handled here. ``repair_flag``: the module's int32[1] zero
-    scratch, raised by the offsets check and cleared by the repair."""
+    (fused bounds check); offsets are always handled here, checked and (when bad) repaired by one launch.
+    ``scratch``: the module's int32[2] zeros, the offsets check's count and tickets
+    (kernels/bounds.py), zero again after it."""
     mode = spec.bounds
     if mode == Bounds.NONE or B == 0:
         return
@@ -148,11 +148,10 @@ def check_and_repair(
     launch(
         _check_offsets_kernel,
         (cdiv(num_bags, OFFSETS_BLOCK),),
-        (offsets, repair_flag, warning, num_bags, N),
+        (offsets, scratch, warning, num_bags, N),
         dict(COUNT=mode == Bounds.WARNING, BLOCK=OFFSETS_BLOCK),
         4,
     )
-    launch(_repair_offsets_kernel, (1,), (offsets, repair_flag, num_bags, N), dict(BLOCK=OFFSETS_BLOCK), 4)
     if ids:
         id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
         _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)
