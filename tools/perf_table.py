@@ -37,6 +37,13 @@ def peer_cells(x: dict, peer: str) -> list:
     return [f"{t['median_ms']:.3f}", f"{x[f'speedup_{peer}']:.2f}×"]
 
 
+def card(env: dict) -> str:
+    """The GPU the JSON was measured on, as the tables' first words ("H200", "H100"; else its full name):
+    the device tool lends either, and their numbers do not compare."""
+    name = (env.get("gpu") or {}).get("name") or "GPU"
+    return next((c for c in ("H200", "H100", "B200", "A100") if c in name), name)
+
+
 def geo(v: list) -> str:
     return f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}×" if v else "—"
 
@@ -49,7 +56,7 @@ def optimizer_table(d: dict) -> None:
     g = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     env = d["environment"]
     others = peers(d)
-    print(f"H200 vs FBGEMM {env['versions']['fbgemm_gpu']['version']}, backward per optimizer "
+    print(f"{card(env)} vs FBGEMM {env['versions']['fbgemm_gpu']['version']}, backward per optimizer "
           f"({env['date'][:10]}, {env['git_commit']}); cells: ours ms / FBGEMM ms = FBGEMM / ours"
           + "".join(f"; {PEER_LABEL.get(p, p)} ms = it / ours" for p in others))
     print()
@@ -149,7 +156,7 @@ def main(path: str) -> None:
         peer_rows.append(pcells)
     fb = env["versions"]["fbgemm_gpu"]["version"]
     date = env["date"][:10]
-    print(f"H200 vs FBGEMM {fb}: forward geo-mean {geo(fwd)}, backward (row-wise Adagrad) geo-mean "
+    print(f"{card(env)} vs FBGEMM {fb}: forward geo-mean {geo(fwd)}, backward (row-wise Adagrad) geo-mean "
           f"{geo(bwd)}, worst shape {worst[0]:.2f}× ({date}, {env['git_commit']})")
     print()
     print(f"worst: {worst[1]}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
