@@ -122,7 +122,8 @@ def test_offsets_repair_across_blocks_counts_and_clears(monkeypatch, mode):
     """More bags than one block of the offsets check / repair (ops/bounds.OFFSETS_BLOCK, shrunk here to
     keep the interpreter fast): bad offsets on both sides of block edges, repaired as FBGEMM's CPU
     bounds_check_indices does; WARNING counts every bad bag, the wrong last offset and every bad id
-    once. The repair's device flag is cleared, so the next, valid batch passes through untouched."""
+    once. The check's scratch (count, tickets) comes back to zero, so the next, valid batch passes
+    through untouched."""
     from torchrec_triton_tbe.ops import bounds as bounds_ops
 
     block = 16
@@ -206,3 +207,24 @@ def test_flat_id_check_attributes_each_id_to_its_feature(data):
             m(indices.clone(), offsets.clone())
     finally:
         bounds_ops.IDS_BLOCK = saved
+
+
+def test_the_offsets_scratch_survives_to_empty_and_the_precompile_dry_run():
+    """The offsets check repairs in its last program, found by a ticket counted up from the module's
+    scratch (kernels/bounds.py): a scratch left non-zero would turn the repair off. ``to_empty`` (meta
+    construction, then materialising) zeroes it, and precompile's dry run, which snapshots and restores
+    the small buffers, leaves it alone; a bad batch after either is still repaired and counted."""
+    from torchrec_triton_tbe.ops import precompile as precompile_ops
+
+    m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.WARNING)
+    m._bounds_scratch.fill_(7)
+    m.to_empty(device="cpu")
+    assert m._bounds_scratch.tolist() == [0, 0]
+    assert {"_bounds_scratch", "bounds_check_warning"} <= set(precompile_ops._KERNEL_WRITTEN)
+    m.bounds_check_warning.zero_()  # to_empty left it uninitialised too
+    precompile_ops.record_step(m, torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF))
+    for round_ in (1, 2):
+        offsets = torch.tensor([0, 2, 9, 4, 6, 6, 8])  # bag 1 ends past N, bag 2 starts after it ends
+        m(torch.tensor(GOOD_IDX), offsets)
+        assert offsets.tolist() == [0, 2, 8, 8, 8, 8, 8], round_
+        assert m._bounds_scratch.tolist() == [0, 0] and int(m.bounds_check_warning) == 2 * round_

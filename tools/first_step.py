@@ -195,7 +195,10 @@ def _cold_step(shape: str, suite: str, optimizer: str, rows_scale: float, mode: 
             "first_step_total_seconds": round(t2 - t0, 3),
             "compiled_during_step": len(launch_ops._COMPILED) - cached,
             "precompile": None if report is None else dataclasses.asdict(report) | {"kernels": len(report.kernels)},
-            "weights_sum": weights_sum, "step": int(module.iter) - 1}
+            "weights_sum": weights_sum,
+            # The step count after the two steps: 2 where forwards advance it (TBESpec.advances_step_count:
+            # as FBGEMM's, not SGD / Adagrad / LARS without stochastic rounding); the dry run adds nothing.
+            "iter": int(module.iter), "iter_expected": 2 if module.spec.advances_step_count else 0}
 
 
 def _precompile_cpu(shape: str, suite: str, optimizer: str, rows_scale: float, target: int, workers: int,

@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--compare", default="fbgemm", help="comma list: fbgemm, torchrec_triton")
     ap.add_argument("--torchrec-checkout", default=os.environ.get(peers.CHECKOUT_ENV))
     args = ap.parse_args()
+    if "torchrec_triton" in args.compare.split(",") and not args.torchrec_checkout:
+        ap.error(f"--compare torchrec_triton needs --torchrec-checkout PATH (or ${peers.CHECKOUT_ENV})")
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels: needs a GPU (the CUDA kernels beside ours)")
     dev = torch.device("cuda")

@@ -284,7 +284,14 @@ class TritonTBE(nn.Module):
         # Moving or casting buffers invalidates graphs captured on the old ones (their keys would
         # never match again; dropping them frees their static inputs now).
         self._backward_graphs.clear()
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        # The offsets check needs its scratch zero at every launch (kernels/bounds.py); to_empty leaves
+        # it uninitialised.
+        scratch = self._buffers.get("_bounds_scratch")
+        if scratch is not None and scratch.dtype == torch.int32 and not scratch.is_meta:
+            with torch.no_grad():
+                scratch.zero_()
+        return out
 
     # ------------------------------------------------------------------ forward
     # torch.compile: dynamo cannot trace the launches (our launch cache calls Triton's launcher directly;
@@ -339,6 +346,9 @@ class TritonTBE(nn.Module):
         if self.check_finite and per_sample_weights is not None:
             bounds_ops.check_finite("per_sample_weights", per_sample_weights)
         bufs = self._buffers
+        # Before this forward writes the module's device state (the bounds check's count and scratch,
+        # the step count): after the last forward's stream, where that was another one. Host only.
+        self._follow_last_stream()
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_scratch"],
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
@@ -357,7 +367,6 @@ class TritonTBE(nn.Module):
         # without stochastic rounding) the backward gets the buffer itself, whose value it does not use:
         # launch-bound batches wait for every launch the host issues.
         if spec.advances_step_count:
-            self._follow_last_stream()
             self.iter.add_(1)
         if torch.is_grad_enabled():
             step.saved = self.iter.clone() if spec.reads_step_count else self.iter
@@ -369,9 +378,11 @@ class TritonTBE(nn.Module):
         return self.iter.device
 
     def _follow_last_stream(self) -> None:
-        """Before ``iter`` is written: on CUDA, where the last forward ran on another stream (a
-        pipeline's lookup stream, then an eval loop's), the current stream waits for it, so the two
-        forwards' advances of the shared count do not race. Not inside a CUDA-graph capture: the
+        """Before the module's device state is written (the step count ``iter``, the bounds check's
+        count and scratch): on CUDA, where the last forward ran on another stream (a pipeline's lookup
+        stream, then an eval loop's), the current stream waits for it, so the two forwards' writes of
+        that shared state do not race (two offsets checks interleaving their tickets would leave the
+        scratch non-zero, kernels/bounds.py). Not inside a CUDA-graph capture: the
         capture's stream may not wait for work outside it (a user's capture of the whole step warms up
         on a side stream first, and PyTorch's recipe orders that stream before capturing); within a
         capture that forks streams, ordering forwards across them is the capture's own (its fork and

@@ -4,8 +4,8 @@ Offsets (WARNING / IGNORE): a parallel check counts the bad bags, and its last p
 runs FBGEMM's sequential per-bag repair (a running max over clamped offsets, see ops/bounds.py) only
 when the count is not 0, so valid batches cost one small launch and no host-side tensor ops. Ids:
 one flat pass over the id positions, each id's feature found by a binary search over the features'
-first offsets, reading each id once (4 or 8 bytes per lookup) and writing only the ids it repairs. The same device function repairs ids inside the forward kernel when the
-check is fused.
+first offsets, reading each id once (4 or 8 bytes per lookup) and writing only the ids it repairs.
+The same device function repairs ids inside the forward kernel when the check is fused.
 """
 
 import triton

@@ -10,8 +10,8 @@ Host checks (dtypes, ranks, sizes) never touch data and never sync. Data checks 
   what FBGEMM's sequential per-bag loop produces and equals ``cummax(clamp(offsets, 0, N))``; ids outside
   ``[0, rows)`` become 0. Repairs happen in place, as in FBGEMM. WARNING adds the number of repairs to
   the module's ``bounds_check_warning`` counter (on the device: no sync, so no per-batch log line).
-  Offsets take two launches (kernels/bounds.py): a parallel check that raises a device flag, and a
-  one-program repair that does the running max only when the flag is up.
+  Offsets take one launch (kernels/bounds.py): a parallel check counting bad bags, whose last program
+  to finish does the running max only when the count is not 0.
 * ``NONE``: no data check: out-of-range ids read out of bounds, as in FBGEMM.
 """
 
@@ -32,7 +32,7 @@ from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-OFFSETS_BLOCK = 1024  # offsets per program of the check; per step of the one-program repair
+OFFSETS_BLOCK = 1024  # offsets per program of the check; per step of its last program's repair
 IDS_BLOCK = 1024  # id positions per program of the id check (a flat, bandwidth-bound pass)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

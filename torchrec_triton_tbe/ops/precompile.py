@@ -61,7 +61,10 @@ from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 
 
-_KERNEL_WRITTEN = ("weights", "momentum1", "momentum2", "row_counter")
+# Buffers only kernels write (nothing runs in the dry run, so they need no restore). The bounds check's
+# count and scratch among them: a snapshot taken while another stream's check runs would write back a
+# half-finished [count, tickets], and a stray ticket turns the offsets repair off (kernels/bounds.py).
+_KERNEL_WRITTEN = ("weights", "momentum1", "momentum2", "row_counter", "bounds_check_warning", "_bounds_scratch")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,8 @@ class TBESpec:
         (every optimizer but SGD, Adagrad and LARS, whose FBGEMM forwards return before the count moves),
         and where an update here reads it (stochastic rounding's seed). Elsewhere nothing reads it, and
         leaving it is one device launch less per forward."""
-        return self.optimizer.optim not in (Optim.EXACT_SGD, Optim.EXACT_ADAGRAD, Optim.LARS_SGD) or self.reads_step_count
+        uncounted = (Optim.EXACT_SGD, Optim.EXACT_ADAGRAD, Optim.LARS_SGD)
+        return self.optimizer.optim not in uncounted or self.reads_step_count
 
     @property
     def sr_drop_bits(self) -> int:
