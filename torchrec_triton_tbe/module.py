@@ -288,7 +288,7 @@ class TritonTBE(nn.Module):
         # The offsets check needs its scratch zero at every launch (kernels/bounds.py); to_empty leaves
         # it uninitialised.
         scratch = self._buffers.get("_bounds_scratch")
-        if scratch is not None and scratch.dtype == torch.int32 and not scratch.is_meta:
+        if scratch is not None and not scratch.is_meta:
             with torch.no_grad():
                 scratch.zero_()
         return out
