@@ -673,6 +673,42 @@ def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
     assert shape["read_write_bytes"] > 0
 
 
+@pytest.mark.parametrize("argv,fbgemm_forward", [
+    (["--weighted", "--pooling", "mean", "--optimizer", "exact_rowwise_adagrad"], True),
+    (["--optimizer", "adam,lars_sgd"], True),
+    (["--weights-precision", "bf16", "--pooling", "none", "--optimizer", "exact_sgd"], False),
+], ids=["weighted-mean", "optimizers-fbgemm-cpu-lacks", "bf16-sequence"])
+def test_what_fbgemms_cpu_tbe_cannot_check_is_skipped_and_checked_against_the_reference(tmp_path, capsys, argv,
+                                                                                       fbgemm_forward):
+    """Off the GPU, --compare fbgemm --check on a case FBGEMM's CPU TBE cannot run (bf16, optimizers past
+    its three) or computes unlike its CUDA TBE (weighted MEAN's backward, without the 1/L) records FBGEMM's
+    pass as skipped with the reason, instead of failing the shape or reporting a mismatch, and checks ours
+    against the pure-PyTorch reference there."""
+    out_json = tmp_path / "r.json"
+    assert cli.main(["--batch-size", "3", "--num-tables", "2", "--num-embeddings", "9", "--embedding-dim", "8",
+                     "--bag-size", "3", "--iters", "1", "--warmup-runs", "0", "--compare", "fbgemm", "--check",
+                     "--json", str(out_json), *argv]) == 0
+    shape = json.loads(out_json.read_text())["shapes"][0]
+    assert "error" not in shape, shape.get("error")
+    log = capsys.readouterr().out
+    for optimizer, check in shape["check"].items():
+        assert check["ok"]
+        ref = check["reference"]
+        assert ref["ok"] and ref["weights_after_backward"]["numel"] == 2 * 9 * 8
+        # [B, T * D] pooled; [T * B * L, D] sequence
+        assert ref["output"]["numel"] == 3 * 2 * 8 * (3 if "none" in argv else 1)
+        bwd = shape["results"][f"bwd_{optimizer}"]
+        assert "median_ms" in bwd["triton"] and "skipped" in bwd["fbgemm"] and "speedup" not in bwd
+        assert f"fbgemm {optimizer} Backward: skipped ({bwd['fbgemm']['skipped']})" in log
+        if fbgemm_forward:  # its forward still compared and timed
+            assert check["output"]["ok"] and "skipped" in check["weights_after_backward"]
+            assert "median_ms" in shape["results"]["fwd"]["fbgemm"]
+        else:
+            assert "bf16" in check["fbgemm"]["skipped"] and "skipped" in shape["results"]["fwd"]["fbgemm"]
+    if "adam" in argv[-1]:
+        assert "state_after_backward" in shape["check"]["adam"]["reference"]  # Adam's two states
+
+
 # ------------------------------------------------------------------------------------------ other contenders
 # A stand-in for TorchRec's Triton TBE checkout (CI has none): the three files, importing each other under
 # their real names, the AMD-only ads_mkl module unguarded (as the real ones), and a FeatureGateName without

@@ -82,6 +82,13 @@ def _shapes(args, given: dict[str, Any]) -> tuple[Optional[dict], list[SuiteShap
     return None, [SuiteShape(case_from_mapping(values, "cli"), None)]
 
 
+def _ms(timing: dict[str, Any]) -> str:
+    """A compared kernel's cell of the summary: its median, ``skipped`` or blank (not run, or failed)."""
+    if "skipped" in timing:
+        return "skipped"
+    return "" if timing.get("median_ms") is None else f"{timing['median_ms']:.3f}"
+
+
 def _summary(record: dict[str, Any]) -> list[str]:
     peer_names = [k for k in (record.get("compare") or "").split(",") if k and k != "fbgemm"]
     head = f"{'shape':<28} {'pass':<28} {'triton ms':>10} {'fbgemm ms':>10} {'speed-up':>9} {'baseline':>9}"
@@ -91,18 +98,16 @@ def _summary(record: dict[str, Any]) -> list[str]:
             lines.append(f"{shape['name']:<28} ERROR {shape['error'].splitlines()[-1][:80]}")
             continue
         for key, entry in shape["results"].items():
-            fb = entry.get("fbgemm", {}).get("median_ms")
             sp = entry.get("speedup")
             base = entry.get("baseline_ms")
             line = (
                 f"{shape['name']:<28} {key:<28} {entry['triton']['median_ms']:>10.3f} "
-                f"{'' if fb is None else f'{fb:.3f}':>10} {'' if sp is None else f'{sp:.3f}x':>9} "
+                f"{_ms(entry.get('fbgemm', {})):>10} {'' if sp is None else f'{sp:.3f}x':>9} "
                 f"{'' if base is None else f'{base:.3f}':>9}"
             )
             for p in peer_names:
-                t, psp = entry.get(p, {}), entry.get(f"speedup_{p}")
-                ms = "skipped" if "skipped" in t else ("" if t.get("median_ms") is None else f"{t['median_ms']:.3f}")
-                line += f" {ms:>20} {'' if psp is None else f'{psp:.3f}x':>9}"
+                psp = entry.get(f"speedup_{p}")
+                line += f" {_ms(entry.get(p, {})):>20} {'' if psp is None else f'{psp:.3f}x':>9}"
             lines.append(line)
     return lines
 

@@ -11,7 +11,9 @@ Peers (``bench/peers.py``: TorchRec's Triton TBE, loaded from a checkout) get th
 arguments where they have them. A pass a peer cannot run (MEAN or sequence pooling, an optimizer it
 lacks, ...) is recorded as ``{"skipped": reason}`` under the peer in that pass's entry, with one log line;
 its forward is still timed when only the optimizer is missing (built with exact_sgd: the forward does not
-depend on it).
+depend on it). Off the GPU, FBGEMM's CPU TBE is skipped the same way where it cannot run a pass or
+computes it unlike its CUDA TBE (fbgemm_cpu_skip_reason), and --check then compares ours with the
+pure-PyTorch reference as well (uses_reference).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from torchrec_triton_tbe.bench.report import BYTES_PER_ELEMENT, case_bytes, gbps
 from torchrec_triton_tbe.bench.timing import time_steps
 from torchrec_triton_tbe.bench.vbe_command import vbe_lines
 from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.reference import ReferenceTBE
 
+LEARNING_RATE, EPS = 0.1, 0.1  # FBGEMM's device command's
 _OPTIMIZER = {name: EmbOptimType[name.upper()] for name in OPTIMIZERS}
 _POOLING = {"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}
 # --check tolerances by the least precise dtype involved. Forward: FBGEMM's forward tests (1e-5 for
@@ -91,12 +95,36 @@ def _failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
 
 
+# What FBGEMM's CPU TBE (fbgemm-gpu-cpu 1.9.0, the --check oracle off the GPU) trains: its constructor
+# asserts on any other optimizer.
+FBGEMM_CPU_OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
+
+
 def skip_reason(kernel: str, w: Workload, optimizer: Optional[str], device: torch.device) -> Optional[str]:
     """Why ``kernel`` cannot run this case's forward (``optimizer`` None) or its backward with
-    ``optimizer``; None when it can. Ours and FBGEMM's run everything the bench offers."""
-    if kernel in ("triton", "fbgemm"):
+    ``optimizer``; None when it can. Ours runs everything the bench offers, and so does FBGEMM's CUDA TBE."""
+    if kernel == "triton":
         return None
+    if kernel == "fbgemm":
+        return None if torch.device(device).type == "cuda" else fbgemm_cpu_skip_reason(w.case, optimizer)
     return peers.peer_skip_reason(kernel, w.case, optimizer, device)
+
+
+def fbgemm_cpu_skip_reason(case: Any, optimizer: Optional[str]) -> Optional[str]:
+    """What FBGEMM's CPU TBE cannot run of this case (see skip_reason), so that a CPU run records it as
+    skipped instead of failing the shape or reporting a mismatch that is FBGEMM's CPU semantics."""
+    if "bf16" in (case.weights_precision, case.output_dtype):
+        return "FBGEMM's CPU TBE has no bf16 kernels (its forward raises NotImplementedError for BFloat16)"
+    if optimizer is None:
+        return None
+    if optimizer not in FBGEMM_CPU_OPTIMIZERS:
+        return f"optimizer {optimizer}: FBGEMM's CPU TBE trains {', '.join(FBGEMM_CPU_OPTIMIZERS)} only"
+    if case.weighted and case.pooling == "mean":
+        # fbgemm_gpu/codegen/training/backward/embedding_backward_split_cpu_template.cpp: "MEAN pooling
+        # will not work with indice_weights!" (its CPU forward divides by L; its CUDA backward does too).
+        return ("weighted MEAN: FBGEMM's CPU backward leaves out the 1/L its forward applies (its CUDA "
+                "backward and ours apply it)")
+    return None
 
 
 class Modules(dict):
@@ -123,8 +151,8 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
         output_dtype=SparseType(case.output_dtype),
         optimizer=_OPTIMIZER[optimizer],
         stochastic_rounding=case.stoc,
-        learning_rate=0.1,
-        eps=0.1,
+        learning_rate=LEARNING_RATE,
+        eps=EPS,
         pooling_mode=_POOLING[case.pooling],
         bounds_check_mode=BoundsCheckMode(case.bounds_check_mode),
     )
@@ -144,12 +172,14 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
         for table in ours.split_embedding_weights():
             table.uniform_(-0.01, 0.01, generator=gen)
     modules = Modules(triton=ours)
-    if "fbgemm" in opts.compare:
+    if "fbgemm" in opts.compare and skip_reason("fbgemm", w, None, opts.device) is None:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
         cuda = opts.device.type == "cuda"
         location = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if cuda
                     else (EmbeddingLocation.HOST, ComputeDevice.CPU))
+        if optimizer not in FBGEMM_CPU_OPTIMIZERS and not cuda:  # its backward is skipped; the forward is the same
+            common = dict(common, optimizer=_OPTIMIZER["exact_sgd"])
         fbgemm = SplitTableBatchedEmbeddingBagsCodegen(
             [(e, d, *location) for e, d in zip(rows, w.Ds)],
             cache_algorithm=CacheAlgorithm.LRU,
@@ -214,13 +244,18 @@ def _compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float, rows_pe
     return {"max_abs_diff": max_diff, "mismatched": bad, "numel": a.numel(), "atol": atol, "rtol": rtol, "ok": bad == 0}
 
 
-def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimizer: str) -> dict[str, Any]:
+def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimizer: str,
+                      reference: bool = False) -> dict[str, Any]:
     """Forward outputs on the first batch, then weights and every optimizer state tensor after one
     backward, of every other kernel against ours. FBGEMM's comparison keeps its top-level keys
     (``output``, ``weights_after_backward``, ``state_after_backward``); a peer's sits under its name, its
-    weights and state compared only where it ran this optimizer's backward (else ``{"skipped": why}``)."""
+    weights and state compared only where it ran this optimizer's backward (else ``{"skipped": why}``).
+    ``reference``: ours also against the pure-PyTorch reference (torchrec_triton_tbe/reference.py), under
+    ``"reference"``: where FBGEMM's CPU TBE, the oracle off the GPU, cannot check this case (uses_reference)."""
     case = w.case
     device = w.grad_output.device
+    # The reference starts from the weights every kernel starts from: taken before our backward runs.
+    tables0 = [t.detach().clone() for t in modules["triton"].split_embedding_weights()] if reference else None
     outs, stepped, failed = {}, set(), {}
     for name, module in modules.items():
         try:
@@ -262,6 +297,8 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
     result: dict[str, Any] = {}
     if "fbgemm" in modules:
         result.update(against("fbgemm"))
+    if reference:
+        result["reference"] = _against_reference(ours, tables0, w, outs["triton"], f_tol, w_tol, s_tol)
     for name in modules:
         if name in failed:
             result[name] = {"error": failed[name]}
@@ -270,6 +307,36 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
             result[name]["ok"] = _all_ok(result[name])
     result["ok"] = _all_ok(result)
     return result
+
+
+def uses_reference(opts: RunOptions, w: Workload, optimizer: str) -> bool:
+    """Whether --check also compares ours with the pure-PyTorch reference: FBGEMM is compared, but off the
+    GPU its CPU TBE cannot run this case, or would not compute what its CUDA TBE does (fbgemm_cpu_skip_reason)."""
+    return ("fbgemm" in opts.compare and opts.device.type != "cuda"
+            and skip_reason("fbgemm", w, optimizer, opts.device) is not None)
+
+
+def _against_reference(ours: TritonTBE, tables0: list[torch.Tensor], w: Workload, out: torch.Tensor,
+                       f_tol: tuple, w_tol: tuple, s_tol: tuple) -> dict[str, Any]:
+    """Ours (already stepped once on the first batch, output ``out``) against ReferenceTBE run from
+    ``tables0`` with the bench's constructor arguments (build_modules): output, weights, optimizer state."""
+    case, r = w.case, w.requests[0]
+    ref = ReferenceTBE(tables0, list(range(case.num_tables)), mean=case.pooling == "mean",
+                       optimizer=ours.spec.optimizer, learning_rate=LEARNING_RATE, eps=EPS,
+                       output_dtype=ours.spec.output_dtype, nobag=case.pooling == "none")
+    out64 = ref.forward(r.indices, r.offsets, r.per_sample_weights,
+                        batch_size_per_feature_per_rank=w.batch_size_per_feature_per_rank)
+    part: dict[str, Any] = {"output": _compare(out, ref.output(out64).detach(), *f_tol)}
+    ref.backward(out64, w.grad_output)
+    ref.step()
+    part["weights_after_backward"] = _merge([_compare(a, b, *w_tol)
+                                             for a, b in zip(ours.split_embedding_weights(), ref.tables)])
+    states = [_compare(a.reshape(b.shape), b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
+              for mine, theirs in zip(ours.split_optimizer_states(), ref.states) for a, b in zip(mine, theirs)]
+    if states:
+        part["state_after_backward"] = _merge(states)
+    part["ok"] = _all_ok(part)
+    return part
 
 
 def _all_ok(part: dict[str, Any]) -> bool:
@@ -392,14 +459,18 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
     for k, optimizer in enumerate(case.optimizers):
         modules = build_modules(w, optimizer, opts)
         if opts.check:
-            record["check"][optimizer] = check = check_first_batch(modules, w, optimizer)
+            record["check"][optimizer] = check = check_first_batch(modules, w, optimizer,
+                                                                   reference=uses_reference(opts, w, optimizer))
             for name in opts.kernels:  # a compared kernel that cannot run this case at all, or failed to build
                 if name not in modules:
                     error = peer_error(modules, name)
                     check[name] = {"error": error} if error else {"skipped": skip_reason(name, w, None, opts.device)}
 
             parts = [check_summary("fbgemm", check)] if "fbgemm" in modules else []
-            parts += [_peer_summary(n, check[n], n in modules) for n in opts.kernels if n not in ("triton", "fbgemm")]
+            parts += [_peer_summary(n, check[n], n in modules) for n in opts.kernels
+                      if n != "triton" and (n != "fbgemm" or n not in modules)]
+            if "reference" in check:
+                parts.append(check_summary("reference", check["reference"]))
             if "fbgemm" in modules and len(parts) == 1:  # FBGEMM only: the line as it always was
                 parts = [parts[0][len("fbgemm "):]]
             emit(f"[{case.name}] check {optimizer}: {'ok' if check['ok'] else 'MISMATCH'} ({'; '.join(parts)})")
