@@ -228,3 +228,55 @@ def test_the_offsets_scratch_survives_to_empty_and_the_precompile_dry_run():
         m(torch.tensor(GOOD_IDX), offsets)
         assert offsets.tolist() == [0, 2, 8, 8, 8, 8, 8], round_
         assert m._bounds_scratch.tolist() == [0, 0] and int(m.bounds_check_warning) == 2 * round_
+
+
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_ids_of_a_table_of_zero_rows_read_zeros_and_update_nothing(mode, fused, pooling):
+    """A table of 0 rows (a row-wise shard of a table with fewer rows than ranks) has no row for an id:
+    WARNING / IGNORE repair its ids to 0 as FBGEMM's check does, but where FBGEMM's kernels then read the
+    next table's row 0, or past the weights after the last table, and update there, these read a zero row
+    past every table and the backward drops them. Oracle: the reference with each empty table replaced by
+    one zero row and its ids by 0, on every table but the empty ones; tables first, middle and last."""
+    from tbe_cases import PoolingMode
+    from torchrec_triton_tbe.reference import ReferenceTBE
+
+    D = 4
+    rows = [0, 5, 0, 7, 0]
+    m, _ = make_pair([(r, D) for r in rows], oracle="reference", bounds_check_mode=mode, fused_bounds_check=fused,
+                     optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.5, eps=0.1,
+                     pooling_mode={"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN, "none": PoolingMode.NONE}[pooling])
+    assert m.weights.numel() == 12 * D + D  # the tables, then the zero row at a 16-element boundary
+    m.weights[12 * D:].fill_(3.0)  # to_empty's garbage: the module zeroes the row again
+    m.to_empty(device="cpu")
+    assert not m.weights[12 * D:].any()
+    g = torch.Generator().manual_seed(1)
+    for w in m.split_embedding_weights():
+        w.copy_(torch.rand(w.shape, generator=g) * 2 - 1)
+    m.momentum1.zero_()
+    m.bounds_check_warning.zero_()
+    m.iter.zero_()
+    # B = 2; every table's feature has ids, the empty tables' all out of range (any id is).
+    indices = torch.tensor([3, 1, 4, 0, 4, 2, 0, 1, 6, 6, 5, 9, 0])
+    offsets = torch.tensor([0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 13])
+    empty_ids = [0, 1, 5, 6, 10, 11, 12]  # positions of ids in tables 0, 2 and 4
+    tables = [w.clone() if r else torch.zeros(1, D) for w, r in zip(m.split_embedding_weights(), rows)]
+    ref = ReferenceTBE(tables, list(range(5)), mean=pooling == "mean", nobag=pooling == "none",
+                       optimizer=m.spec.optimizer, learning_rate=0.5, eps=0.1)
+    ref_idx = indices.clone()
+    ref_idx[empty_ids] = 0
+    out = m(indices, offsets)
+    assert indices[empty_ids].tolist() == [0] * len(empty_ids)  # repaired in place, as FBGEMM's check
+    assert int(m.bounds_check_warning) == (len(empty_ids) if mode == BoundsCheckMode.WARNING else 0)
+    out64 = ref.forward(ref_idx, offsets)
+    grad = torch.randn(out.shape, generator=g)
+    assert_close(out, ref.output(out64).detach(), "forward with empty tables", atol=1e-6, rtol=1e-6)
+    out.backward(grad)
+    ref.backward(out64, grad)
+    ref.step()
+    for k, r in enumerate(rows):
+        if r:
+            assert_close(m.split_embedding_weights()[k], ref.tables[k], f"table {k}", atol=1e-6, rtol=1e-6)
+            assert_close(m.split_optimizer_states()[k][0], ref.states[k][0], f"state {k}", atol=1e-6, rtol=1e-6)
+    assert not m.weights[12 * D:].any()  # the zero row: never updated

@@ -95,6 +95,17 @@ def test_init_embedding_weights_uniform():
         assert w.min() >= -0.25 and w.max() <= 0.25 and w.std() > 0
 
 
+def _one_step_matches(ours, ref, what: str) -> None:
+    """One training step of a one-table (8, 4) row-wise Adagrad module and its reference: equal weights and state."""
+    indices, offsets = torch.tensor([1, 1, 5]), torch.tensor([0, 2, 3])
+    grad = torch.randn(2, 4)
+    ours(indices, offsets).backward(grad)
+    ref.forward(indices, offsets).backward(grad.double())
+    ref.step()
+    assert_close(ours.split_embedding_weights()[0], ref.tables[0], what, atol=1e-6, rtol=1e-6)
+    assert_close(ours.split_optimizer_states()[0][0], ref.momentum[0], f"state {what}", atol=1e-7, rtol=1e-6)
+
+
 def test_learning_rate_and_hyper_parameters_reach_the_kernels():
     ours, ref = make_pair([(8, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                           learning_rate=0.1, eps=0.5)
@@ -102,13 +113,7 @@ def test_learning_rate_and_hyper_parameters_reach_the_kernels():
     ours.update_hyper_parameters({"eps": 0.05, "lr": 0.3})
     ref.lr, ref.eps = 0.3, 0.05
     assert ours.get_learning_rate() == pytest.approx(0.3)
-    indices, offsets = torch.tensor([1, 1, 5]), torch.tensor([0, 2, 3])
-    grad = torch.randn(2, 4)
-    ours(indices, offsets).backward(grad)
-    ref.forward(indices, offsets).backward(grad.double())
-    ref.step()
-    assert_close(ours.split_embedding_weights()[0], ref.tables[0], "after lr/eps change", atol=1e-6, rtol=1e-6)
-    assert_close(ours.split_optimizer_states()[0][0], ref.momentum[0], "state", atol=1e-7, rtol=1e-6)
+    _one_step_matches(ours, ref, "after lr/eps change")
     with pytest.raises(NotImplementedError, match="momentum"):
         ours.update_hyper_parameters({"momentum": 0.1})  # FBGEMM takes lr, eps, beta1/2, weight_decay, lower_bound
 
@@ -158,6 +163,30 @@ def test_two_forwards_around_a_change_each_apply_their_own_rate():
     for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
         assert_close(a, b, "two forwards around an lr change", atol=1e-6, rtol=1e-6)
     assert float(ours.learning_rate_tensor) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("reload", ["checkpoint", "init"])
+def test_to_empty_keeps_the_learning_rate_and_hyper_parameters(reload):
+    """``to_empty`` (meta construction, then materialising) leaves every buffer uninitialised; weights,
+    state and step come back from a checkpoint or an init, but nothing restores the learning rate and
+    hyper-parameters (not checkpointed, as FBGEMM's), and an update to the same values would write nothing
+    (the host's view says unchanged). The module writes them again from that view."""
+    ours, ref = make_pair([(8, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          learning_rate=0.1, eps=0.5)
+    ours.update_hyper_parameters({"eps": 0.05, "lr": 0.3})
+    ref.lr, ref.eps = 0.3, 0.05
+    saved = ours.state_dict()
+    ours.learning_rate_tensor.fill_(float("nan"))  # what uninitialised memory may hold
+    ours.optimizer_hyper.fill_(float("nan"))
+    ours.to_empty(device="cpu")
+    if reload == "checkpoint":
+        ours.load_state_dict(saved)
+    else:
+        ours.split_embedding_weights()[0].copy_(ref.tables[0])
+        ours.momentum1.zero_()
+        ours.iter.zero_()
+    ours.set_learning_rate(0.3)  # unchanged: no device write
+    _one_step_matches(ours, ref, "after to_empty")
 
 
 def test_the_learning_rate_is_not_checkpointed():

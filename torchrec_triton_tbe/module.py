@@ -191,7 +191,8 @@ class TritonTBE(nn.Module):
 
         dev = self.current_device
         wdtype = _DTYPES[weights_precision]
-        self.register_buffer("weights", torch.zeros(plan.total_weight_elements, dtype=wdtype, device=dev))
+        # Every table, then (where a table has 0 rows) the zero row its repaired lookups read (TablePlan).
+        self.register_buffer("weights", torch.zeros(plan.weight_storage_elements, dtype=wdtype, device=dev))
         # FBGEMM's optimizer state buffers (momentum1, momentum2, row_counter), empty where unused.
         held = {state.name: state for state in optim_spec.states}
         for name in ("momentum1", "momentum2", "row_counter"):
@@ -199,9 +200,10 @@ class TritonTBE(nn.Module):
             size = 0 if state is None else (plan.total_rows if state.rowwise else plan.total_weight_elements)
             dtype = torch.float32 if state is None else state.dtype
             self.register_buffer(name, torch.zeros(size, dtype=dtype, device=dev))
-        # What learning_rate_tensor and optimizer_hyper hold, by FBGEMM's update_hyper_parameters keys: the
-        # host's view, so an update that changes nothing costs no device work.
-        self._hyper_host = {"lr": float(learning_rate), **{n: float(hyper[n]) for n in _UPDATABLE}}
+        # What learning_rate_tensor and optimizer_hyper hold (the latter by HYPER_FIELDS; FBGEMM's
+        # update_hyper_parameters keys change some): the host's view, so an update that changes nothing
+        # costs no device work, and a buffer left uninitialised (to_empty) is written again (_apply).
+        self._hyper_host = {"lr": float(learning_rate), **{n: float(hyper[n]) for n in HYPER_FIELDS}}
         # Device-resident so kernels (and captured CUDA graphs) see every set_learning_rate and
         # update_hyper_parameters. Not saved, as FBGEMM's plain attribute is not: a checkpoint restores
         # weights, state and step, and the constructor's (or the optimizer's) rate applies.
@@ -285,12 +287,21 @@ class TritonTBE(nn.Module):
         # never match again; dropping them frees their static inputs now).
         self._backward_graphs.clear()
         out = super()._apply(fn, *args, **kwargs)
-        # The offsets check needs its scratch zero at every launch (kernels/bounds.py); to_empty leaves
-        # it uninitialised.
-        scratch = self._buffers.get("_bounds_scratch")
-        if scratch is not None and not scratch.is_meta:
-            with torch.no_grad():
-                scratch.zero_()
+        # Buffers whose values are the module's own, not state a checkpoint restores, written again
+        # (to_empty leaves them uninitialised): the offsets check's scratch, zero at every launch
+        # (kernels/bounds.py); the row that empty tables' lookups read, zero (TablePlan.empty_row_offset);
+        # the learning rate and hyper-parameters, whose host view decides whether a later update
+        # writes them at all (update_hyper_parameters).
+        b = self._buffers
+        with torch.no_grad():
+            if b.get("_bounds_scratch") is not None and not b["_bounds_scratch"].is_meta:
+                b["_bounds_scratch"].zero_()
+            empty = self._spec.plan.empty_row_offset
+            if empty is not None and b.get("weights") is not None and not b["weights"].is_meta:
+                b["weights"][empty:].zero_()
+            if b.get("learning_rate_tensor") is not None and not b["learning_rate_tensor"].is_meta:
+                b["learning_rate_tensor"].fill_(self._hyper_host["lr"])
+                b["optimizer_hyper"].copy_(torch.tensor([self._hyper_host[n] for n in HYPER_FIELDS]))
         return out
 
     # ------------------------------------------------------------------ forward

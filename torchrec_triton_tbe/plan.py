@@ -90,6 +90,30 @@ class TablePlan:
         return sum(r * d for r, d in zip(self.rows, self.dims))
 
     @functools.cached_property
+    def empty_row_offset(self) -> Optional[int]:
+        """Element offset of a zero row past every table, which lookups of tables of 0 rows read; None
+        where no table has 0 rows. Such a table (a row-wise shard of a table with fewer rows than ranks)
+        has no row to read, and a bounds check that repairs (WARNING / IGNORE) turns its ids into 0, as
+        FBGEMM's does, whose kernels then read the next table's row 0 or, after the last table, past the
+        weights, and whose backward updates there. Here those lookups read this row and the backward
+        drops them (feature_key_offset: the sentinel key): a bad id there pools zeros and updates nothing.
+        16-element aligned, so it does not narrow the kernels' vector width (TBESpec.bucket_align)."""
+        if all(self.rows):
+            return None
+        return -(-self.total_weight_elements // 16) * 16
+
+    @functools.cached_property
+    def weight_storage_elements(self) -> int:
+        """Elements of the flat weights buffer: every table, then the zero row of empty_row_offset."""
+        base = self.empty_row_offset
+        return self.total_weight_elements if base is None else base + self.max_D
+
+    @functools.cached_property
+    def lookup_weight_offsets(self) -> tuple[int, ...]:
+        """Per table: the element offset its lookups read row 0 at (weights_offsets, or the zero row)."""
+        return tuple(o if r else self.empty_row_offset for o, r in zip(self.weights_offsets, self.rows))
+
+    @functools.cached_property
     def total_rows(self) -> int:
         return sum(self.rows)
 
@@ -247,10 +271,12 @@ class PlanTensors:
             feature_table=torch.tensor(ftm, **i32),
             feature_dim=torch.tensor(plan.feature_dims, **i32),
             feature_rows=torch.tensor([plan.rows[k] for k in ftm], **i64),
-            feature_weight_offset=torch.tensor([plan.weights_offsets[k] for k in ftm], **i64),
+            feature_weight_offset=torch.tensor([plan.lookup_weight_offsets[k] for k in ftm], **i64),
             feature_row_offset=torch.tensor([plan.row_offsets[k] for k in ftm], **i64),
             feature_out_offset=torch.tensor(plan.D_offsets[:-1], **i32),
-            feature_key_offset=torch.tensor([plan.key_offsets[k] for k in ftm], **i64),
+            # A table of 0 rows: its (repaired) lookups sort with the sentinel, which no kernel applies.
+            feature_key_offset=torch.tensor([plan.key_offsets[k] if plan.rows[k] else plan.sentinel_key
+                                             for k in ftm], **i64),
             feature_small=torch.tensor([int(k in plan.small_tables) for k in ftm], **i32),
             bucket_features=tuple(torch.tensor(b.features, **i32) for b in plan.buckets),
             small_group_features=tuple(torch.tensor(g.features, **i32) for g in plan.small_groups),

@@ -149,7 +149,7 @@ class TBESpec:
         for bucket in plan.buckets:
             g = plan.total_D
             for k in bucket.tables:
-                g = math.gcd(g, plan.dims[k], plan.weights_offsets[k])
+                g = math.gcd(g, plan.dims[k], plan.lookup_weight_offsets[k])
             for t in bucket.features:
                 g = math.gcd(g, plan.D_offsets[t])
             align = 1
