@@ -189,6 +189,48 @@ def test_to_empty_keeps_the_learning_rate_and_hyper_parameters(reload):
     _one_step_matches(ours, ref, "after to_empty")
 
 
+@pytest.mark.parametrize("optimizer,precision", [
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32),
+    (EmbOptimType.EXACT_ADAGRAD, SparseType.FP16),
+    (EmbOptimType.EXACT_SGD, SparseType.FP32),
+], ids=["rowwise", "adagrad-fp16", "sgd"])
+def test_a_bare_fbgemm_modules_checkpoint_loads(optimizer, precision):
+    """FBGEMM's state dict (weights and state by placement, with offsets, metadata and cache buffers) loads
+    into TritonTBE of the same tables, strictly, also as a submodule; training then goes on as FBGEMM's."""
+    specs, ftm = [(10, 4), (7, 8)], [0, 1, 1]
+    ours, fbgemm = make_pair(specs, ftm, optimizer=optimizer, weights_precision=precision, learning_rate=0.1)
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5, 6, 0, 1]), torch.tensor([0, 2, 3, 5, 6, 7, 8])
+    out = fbgemm(indices, offsets)
+    out.backward(torch.randn(out.shape))
+    fresh = torch.nn.ModuleDict({"tbe": TritonTBE(specs, feature_table_map=ftm, optimizer=optimizer,
+                                                  weights_precision=precision, learning_rate=0.1, device="cpu")})
+    assert "weights_placements" in fbgemm.state_dict()
+    fresh.load_state_dict({f"tbe.{k}": v for k, v in fbgemm.state_dict().items()})  # strict
+    ours = fresh["tbe"]
+    for a, b in zip(ours.split_embedding_weights(), fbgemm.split_embedding_weights()):
+        assert torch.equal(a, b)
+    for mine, theirs in zip(ours.split_optimizer_states(), fbgemm.split_optimizer_states()):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a.reshape(b.shape), b)
+    grad = torch.randn(out.shape)
+    ours(indices, offsets).backward(grad)
+    fbgemm(indices, offsets).backward(grad)
+    tol = 1e-6 if precision == SparseType.FP32 else 2e-3
+    for k, (a, b) in enumerate(zip(ours.split_embedding_weights(), fbgemm.split_embedding_weights())):
+        assert_close(a, b, f"table {k} a step after loading", atol=tol, rtol=tol)
+
+
+def test_a_fbgemm_checkpoint_of_other_tables_is_refused():
+    fbgemm = make_pair([(10, 4), (7, 8)], [0, 1, 1])[1]
+    ours = TritonTBE([(10, 4), (9, 8)], feature_table_map=[0, 1, 1], device="cpu")
+    with pytest.raises(ValueError, match=r"rows_per_table \[10, 7, 7\] per feature, this module has \[10, 9, 9\]"):
+        ours.load_state_dict(fbgemm.state_dict())
+    bad = {**fbgemm.state_dict(), "weights_placements": torch.tensor([3, 9, 9], dtype=torch.int32)}
+    bad.pop("rows_per_table")
+    with pytest.raises(ValueError, match=r"weights_placements\[1\] = 9 is not a placement"):
+        TritonTBE([(10, 4), (7, 8)], feature_table_map=[0, 1, 1], device="cpu").load_state_dict(bad)
+
+
 def test_the_learning_rate_is_not_checkpointed():
     """As FBGEMM, whose learning_rate_tensor is a plain attribute: a state dict holds weights, state and
     step, and loading one keeps the module's rate, which get_learning_rate reports and the kernels apply.

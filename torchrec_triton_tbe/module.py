@@ -25,7 +25,7 @@ from torchrec_triton_tbe._fbgemm import (
     SparseType,
     WeightDecayMode,
 )
-from torchrec_triton_tbe import compat
+from torchrec_triton_tbe import checkpoint, compat
 from torchrec_triton_tbe.autograd import HyperVersion, LastStream, LookupCall, StepVersion, TBEFunction
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
@@ -563,6 +563,14 @@ class TritonTBE(nn.Module):
         raise ValueError(f"Optimizer buffer {state} not found")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if checkpoint.is_fbgemm(state_dict, prefix):  # a bare FBGEMM module's checkpoint (checkpoint.py)
+            rowwise = {state.name: state.rowwise for state in self._spec.optimizer.states}
+            checkpoint.from_fbgemm(
+                state_dict, prefix, self._spec.plan,
+                {name: (getattr(self, name), rowwise.get(name, False))
+                 for name in ("weights", "momentum1", "momentum2", "row_counter")},
+                self.iter,
+            )
         # Checkpoints written before the learning rate stopped being saved hold it: ignored, as FBGEMM
         # (which never saves it) would not have it to restore.
         state_dict.pop(prefix + "learning_rate_tensor", None)

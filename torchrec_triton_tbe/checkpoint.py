@@ -1,0 +1,104 @@
+"""FBGEMM's module ``state_dict`` loaded into ``TritonTBE``.
+
+FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` saves each state (weights, momentum1, momentum2,
+row_counter) as three flat buffers by placement, ``<name>_dev`` (DEVICE), ``<name>_uvm`` (MANAGED,
+MANAGED_CACHING) and ``<name>_host`` (HOST), with ``<name>_placements`` and ``<name>_offsets`` saying
+where each feature's table starts, plus metadata and cache buffers. This module keeps one flat buffer
+per state, tables in table order. :func:`from_fbgemm` rewrites a state dict of FBGEMM's form into ours
+in place, so ``TritonTBE.load_state_dict`` takes a checkpoint of a bare FBGEMM module of the same tables
+(TorchRec checkpoints go through the per-table getters and interchange either way without this). One
+way only: FBGEMM's module does not read this module's state dict. An FBGEMM module whose tables are
+cached (MANAGED_CACHING) must be flushed (``flush()``) before it is saved, as for its own getters: its
+``_uvm`` buffers lag the cache until then.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from torchrec_triton_tbe._fbgemm import EmbeddingLocation
+from torchrec_triton_tbe.plan import TablePlan
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX = {
+    EmbeddingLocation.DEVICE.value: "dev",
+    EmbeddingLocation.MANAGED.value: "uvm",
+    EmbeddingLocation.MANAGED_CACHING.value: "uvm",
+    EmbeddingLocation.HOST.value: "host",
+}
+
+
+def is_fbgemm(state_dict: dict, prefix: str) -> bool:
+    """Whether the module's part of ``state_dict`` is FBGEMM's form: its weights by placement, not ours."""
+    return prefix + "weights" not in state_dict and prefix + "weights_placements" in state_dict
+
+
+def from_fbgemm(state_dict: dict, prefix: str, plan: TablePlan, states: dict[str, tuple[torch.Tensor, bool]],
+                step: torch.Tensor) -> None:
+    """Rewrites FBGEMM's entries under ``prefix`` into this module's: each of ``states`` (name -> (this
+    module's buffer, one value per row?); a state its optimizer does not keep has an empty buffer and stays
+    empty) gathered table by table from FBGEMM's placement buffers; ``iter`` as FBGEMM saved it (it does
+    where its optimizer counts steps), else ``step``, this module's; every other FBGEMM entry under
+    ``prefix`` (metadata, caches) dropped. Raises ``ValueError`` naming the difference where the
+    checkpoint's tables (rows and dims per feature) or a state this module keeps do not match."""
+    T = plan.num_features
+    first_feature: dict[int, int] = {}
+    for t, k in enumerate(plan.feature_table_map):
+        first_feature.setdefault(k, t)
+    for key, want in (("rows_per_table", [plan.rows[k] for k in plan.feature_table_map]),
+                      ("feature_dims", list(plan.feature_dims))):
+        got = state_dict.get(prefix + key)
+        if got is not None and got.tolist() != want:
+            raise ValueError(f"FBGEMM checkpoint: {key} {got.tolist()} per feature, this module has {want}")
+    for name, (buffer, rowwise) in states.items():
+        if buffer.numel() == 0:
+            state_dict[prefix + name] = buffer.detach()
+            continue
+        flat = _gather(state_dict, prefix, name, plan, first_feature, T, rowwise)
+        if buffer.numel() > flat.numel():  # the weights' zero row past the tables (TablePlan.empty_row_offset)
+            flat = torch.cat([flat, flat.new_zeros(buffer.numel() - flat.numel())])
+        state_dict[prefix + name] = flat
+    state_dict.setdefault(prefix + "iter", step.detach())
+    kept = {prefix + n for n in (*states, "iter", "placeholder_autograd_tensor")}
+    dropped = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):] and k not in kept]
+    for k in dropped:
+        del state_dict[k]
+    logger.debug("TritonTBE: from FBGEMM's checkpoint, left out %s", dropped)
+
+
+def _gather(state_dict: dict, prefix: str, name: str, plan: TablePlan, first_feature: dict, T: int,
+            rowwise: bool) -> torch.Tensor:
+    placements = _entry(state_dict, prefix, f"{name}_placements", T)
+    offsets = _entry(state_dict, prefix, f"{name}_offsets", T)
+    parts: list[torch.Tensor] = []
+    for k, (rows, dim) in enumerate(zip(plan.rows, plan.dims)):
+        t = first_feature.get(k)
+        size = rows if rowwise else rows * dim
+        if size == 0:
+            continue
+        if t is None:
+            raise ValueError(f"FBGEMM checkpoint: no feature reads table {k}, and FBGEMM's {name}_offsets place "
+                             "tables by feature")
+        placement = int(placements[t])
+        if placement not in _SUFFIX:
+            raise ValueError(f"FBGEMM checkpoint: {name}_placements[{t}] = {placement} is not a placement this "
+                             f"module reads ({', '.join(EmbeddingLocation(p).name for p in _SUFFIX)})")
+        source = state_dict.get(f"{prefix}{name}_{_SUFFIX[placement]}")
+        begin = int(offsets[t])
+        if source is None or source.numel() < begin + size:
+            raise ValueError(f"FBGEMM checkpoint: table {k}'s {name} ({size} values from {begin}) is not in "
+                             f"{name}_{_SUFFIX[placement]} ({0 if source is None else source.numel()} values)")
+        parts.append(source.reshape(-1)[begin : begin + size].detach())
+    return torch.cat([p.to(parts[0].dtype) for p in parts]) if parts else torch.zeros(0)
+
+
+def _entry(state_dict: dict, prefix: str, key: str, T: int) -> Sequence[int]:
+    value = state_dict.get(prefix + key)
+    if value is None or value.numel() != T:
+        raise ValueError(f"FBGEMM checkpoint: {prefix}{key} holds "
+                         f"{'nothing' if value is None else value.numel()} entries, expected one per feature ({T})")
+    return value.tolist()
