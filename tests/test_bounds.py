@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tbe_cases import BoundsCheckMode, EmbOptimType, assert_close, make_pair
+from torchrec_triton_tbe import TritonTBE
 
 SPECS = [(10, 4), (6, 8)]
 FTM = [0, 1, 1]
@@ -54,6 +55,23 @@ def test_fatal_names_tables_by_name_when_given():
                      table_names=["users", "items"])
     with pytest.raises(ValueError, match=r"table 1 \('items'\), 6 rows"):
         m(torch.tensor([1, 9, 0, 7, 2, 3, 0, 5]), torch.tensor(GOOD_OFF))
+
+
+def test_fatal_says_when_the_table_is_a_shard():
+    """TorchRec hands its shards FBGEMM's embedding_shard_info: a FATAL error then says which part of the
+    table this module holds and that its ids and positions are the shard's (TorchRec's row-wise
+    bucketization maps an id past the table to another rank's local id), so a user does not look for
+    them in the batch as given."""
+    m = TritonTBE([(5, 4), (6, 8)], feature_table_map=FTM, device="cpu", table_names=["items", "users"],
+                  bounds_check_mode=BoundsCheckMode.FATAL, embedding_shard_info=[(10, 4, 5, 0), (6, 8, 0, 0)])
+    with pytest.raises(ValueError, match=r"indices\[1\] = 8 is out of range for feature 0 \(table 0 \('items'\), "
+                       r"5 rows\).*holds a shard of that table: rows \[5, 10\) and columns \[0, 4\) of its 10 x 4"):
+        m(torch.tensor([1, 8, 0, 5, 2, 3, 0, 5]), torch.tensor(GOOD_OFF))
+    with pytest.raises(ValueError, match=r"indices\[7\] = 6 .*table 1 \('users'\), 6 rows\), sample 1; ids must "
+                       r"lie in \[0, 6\)$"):  # a whole table: no note
+        m(torch.tensor([1, 4, 0, 5, 2, 3, 0, 6]), torch.tensor(GOOD_OFF))
+    with pytest.raises(ValueError, match="embedding_shard_info has 1 entries for 2 tables"):
+        TritonTBE([(5, 4), (6, 8)], device="cpu", embedding_shard_info=[(10, 4, 5, 0)])
 
 
 @pytest.mark.parametrize(

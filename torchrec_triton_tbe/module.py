@@ -167,7 +167,7 @@ class TritonTBE(nn.Module):
              s[3] if len(s) == 4 else ComputeDevice.CUDA)
             for s in specs
         ]
-        plan = TablePlan.build([s[:2] for s in specs], feature_table_map, table_names)
+        plan = TablePlan.build([s[:2] for s in specs], feature_table_map, table_names, shards=embedding_shard_info)
         if pooling_mode == PoolingMode.NONE and len(set(plan.dims)) > 1:
             # FBGEMM asserts the same ("Mixed dimension tables only supported for pooling tables"): a
             # sequence output has one row width.

@@ -65,9 +65,25 @@ class TablePlan:
     small_max_rows: int = 0
     small_max_dim: int = 0
     small_split: bool = True
+    # FBGEMM's embedding_shard_info: per table, the whole table's rows and dim and where this module's
+    # part starts (row offset, column offset); TorchRec passes it for its shards. Error messages only.
+    shards: tuple[tuple[int, int, int, int], ...] = ()
 
     def table_label(self, k: int) -> str:
         return f"table {k} ({self.table_names[k]!r})" if self.table_names else f"table {k}"
+
+    def shard_note(self, k: int) -> str:
+        """For an error about table ``k``: where this module holds only a shard of it, which one, and that
+        the ids and positions the error gives are the shard's; "" otherwise."""
+        if len(self.shards) != len(self.rows):
+            return ""
+        full_rows, full_dim, row_offset, col_offset = self.shards[k]
+        rows, dim = self.rows[k], self.dims[k]
+        if (full_rows, full_dim) == (rows, dim):
+            return ""
+        return (f". This module holds a shard of that table: rows [{row_offset}, {row_offset + rows}) and columns "
+                f"[{col_offset}, {col_offset + dim}) of its {full_rows} x {full_dim}; the ids, positions and samples "
+                "here are those of the shard's batch (after TorchRec's bucketization), not of the batch as given")
 
     @functools.cached_property
     def num_tables(self) -> int:
@@ -210,6 +226,7 @@ class TablePlan:
         table_names: Optional[Sequence[str]] = None,
         small_max_rows: int = 0,
         small_max_dim: int = 0,
+        shards: Optional[Sequence[Sequence[int]]] = None,
     ) -> "TablePlan":
         rows = tuple(int(r) for r, _ in specs)
         dims = tuple(int(d) for _, d in specs)
@@ -227,7 +244,11 @@ class TablePlan:
         names = tuple(table_names or ())
         if names and len(names) != len(rows):
             raise ValueError(f"table_names has {len(names)} entries for {len(rows)} tables")
-        return TablePlan(rows, dims, ftm, names, int(small_max_rows), int(small_max_dim))
+        shard_info = tuple(tuple(int(x) for x in s) for s in shards or ())
+        if shard_info and (len(shard_info) != len(rows) or any(len(s) != 4 for s in shard_info)):
+            raise ValueError(f"embedding_shard_info has {len(shard_info)} entries for {len(rows)} tables; each is "
+                             "(rows, dim, row offset, column offset) of the whole table")
+        return TablePlan(rows, dims, ftm, names, int(small_max_rows), int(small_max_dim), shards=shard_info)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,6 +183,7 @@ def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B:
         raise ValueError(
             f"bounds check (FATAL): bag {bad_bag} (feature {t}, {plan.table_label(plan.feature_table_map[t])}, sample {b}) "
             f"spans offsets[{bad_bag}:{bad_bag + 2}] = [{s}, {e}); offsets must be non-decreasing within [0, {N}]"
+            + plan.shard_note(plan.feature_table_map[t])
         )
     if bad_pos != N:
         bag = int(torch.searchsorted(safe, torch.tensor(bad_pos, dtype=safe.dtype, device=device), right=True)) - 1
@@ -191,4 +192,5 @@ def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B:
         raise ValueError(
             f"bounds check (FATAL): indices[{bad_pos}] = {indices[bad_pos].item()} is out of range for feature {t} "
             f"({plan.table_label(k)}, {plan.rows[k]} rows), sample {b}; ids must lie in [0, {plan.rows[k]})"
+            + plan.shard_note(k)
         )
