@@ -81,6 +81,20 @@ def test_state_getters_match_fbgemm_shapes(optimizer):
         assert ours_opt == [] and ours_states == []
 
 
+@pytest.mark.parametrize("output_dtype", [SparseType.FP32, SparseType.FP16])
+def test_plain_attributes_have_fbgemms_types(output_dtype):
+    """Attributes FBGEMM code reads off the module, in FBGEMM's form: output_dtype as SparseType.as_int()
+    (SparseType.from_int reads it back), a uuid string per module (TorchRec's raw-id tracker keys on it)."""
+    ours, fb = make_pair(SPECS, oracle="fbgemm", output_dtype=output_dtype)
+    assert type(ours.output_dtype) is type(fb.output_dtype) is int
+    assert ours.output_dtype == fb.output_dtype and SparseType.from_int(ours.output_dtype) == output_dtype
+    for name in ("weights_precision", "pooling_mode", "optimizer", "stochastic_rounding", "bounds_check_mode_int",
+                 "feature_table_map", "table_names", "total_D", "max_D", "current_device"):
+        assert getattr(ours, name) == getattr(fb, name), name
+    other = make_pair(SPECS, oracle="reference")[0]
+    assert isinstance(ours.uuid, str) and isinstance(fb.uuid, str) and ours.uuid != other.uuid
+
+
 def test_split_embedding_weights_are_writable_views():
     m = TritonTBE(SPECS, device="cpu")
     m.split_embedding_weights()[1][3].fill_(2.5)

@@ -10,6 +10,7 @@ import torch
 
 import plugin_cases as pc
 from plugin_cases import BoundsCheckMode, Case, EmbOptimType, TritonTBEOptions as Options, Variant
+from torchrec_triton_tbe._fbgemm import SparseType
 from torchrec_triton_tbe.plugin import TritonTBESharder, sharding as routing, use_fused, use_triton_tbe
 
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -201,7 +202,7 @@ def _output_dtype_and_eval(rank: int, world_size: int) -> None:
     (fl, fe, fused), (ol, oe, ours) = results
     pc.assert_routed(ours, expect_ours=True)
     for k in pc.kernels(ours):
-        assert k.emb_module.output_dtype == torch.float16
+        assert SparseType.from_int(k.emb_module.output_dtype) == SparseType.FP16  # FBGEMM's int form
     pc.assert_close(torch.tensor(ol), torch.tensor(fl), "fp16-output losses", *pc.TOLERANCE[pc.DataType.FP16])
     pc.assert_close(oe, fe, "eval outputs", *pc.TOLERANCE[pc.DataType.FP16])
     pc.assert_same_state(ours, fused, "fp16 output", *pc.TOLERANCE[pc.DataType.FP16])

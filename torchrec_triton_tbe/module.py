@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -177,13 +178,15 @@ class TritonTBE(nn.Module):
         self.optimizer = optimizer
         self.pooling_mode = pooling_mode
         self.weights_precision = weights_precision
-        self.output_dtype = _DTYPES[output_dtype]
+        self.output_dtype: int = output_dtype.as_int()  # FBGEMM's form: SparseType.from_int reads it
         self.stochastic_rounding = stochastic_rounding
         # FBGEMM's reading: its environment override, and the V2 modes run as the first three.
         self.bounds_check_mode_int = int(compat.bounds_check_mode(bounds_check_mode).value)
         self.embedding_table_index_type = embedding_table_index_type
         self.embedding_table_offset_type = embedding_table_offset_type
         self.embedding_shard_info = embedding_shard_info
+        # FBGEMM's per-module id: TorchRec's raw-id tracker (model_tracker) registers modules by it.
+        self.uuid = str(uuid.uuid4())
         self.total_D = plan.total_D
         self.max_D = plan.max_D
         self.T = plan.num_features
@@ -236,7 +239,7 @@ class TritonTBE(nn.Module):
             pooling_mean=pooling_mode == PoolingMode.MEAN,
             nobag=pooling_mode == PoolingMode.NONE,
             weights_dtype=wdtype,
-            output_dtype=self.output_dtype,
+            output_dtype=_DTYPES[output_dtype],
             optimizer=optim_spec,
             stochastic_rounding=bool(stochastic_rounding),
             bounds=Bounds(self.bounds_check_mode_int),
