@@ -57,6 +57,28 @@ def test_fatal_names_tables_by_name_when_given():
         m(torch.tensor([1, 9, 0, 7, 2, 3, 0, 5]), torch.tensor(GOOD_OFF))
 
 
+@pytest.mark.parametrize("indices,offsets,psw", [
+    ([1, 10, 0, 5, 2, 3, 0, 5], GOOD_OFF, None),  # an id past its table (FATAL)
+    ([1, 9, 0, 5, 2, 3, 0, -1], GOOD_OFF, None),  # a negative id
+    (GOOD_IDX, [0, 2, 3, 4, 2, 6, 8], None),  # decreasing offsets
+    (GOOD_IDX, GOOD_OFF, [1.0] * 7),  # per-sample weights one short
+    ([1.0, 9, 0, 5, 2, 3, 0, 5], GOOD_OFF, None),  # float ids
+], ids=["id-past-table", "negative-id", "decreasing-offsets", "psw-length", "float-ids"])
+def test_bad_input_raises_what_fbgemm_raises_too(indices, offsets, psw):
+    """FBGEMM's TBE raises RuntimeError for these (checked on its CPU module): ours are ValueError /
+    TypeError, as documented, and RuntimeError as well, so code catching FBGEMM's errors catches them."""
+    from torchrec_triton_tbe.errors import InputError, InputTypeError
+
+    m, fbgemm = make_pair(SPECS, FTM, oracle="fbgemm", bounds_check_mode=BoundsCheckMode.FATAL)
+    args = (torch.tensor(indices), torch.tensor(offsets), None if psw is None else torch.tensor(psw))
+    with pytest.raises(RuntimeError):
+        fbgemm(*args)
+    with pytest.raises(RuntimeError) as raised:
+        m(*args)
+    assert isinstance(raised.value, (InputError, InputTypeError))
+    assert isinstance(raised.value, TypeError if isinstance(raised.value, InputTypeError) else ValueError)
+
+
 def test_fatal_says_when_the_table_is_a_shard():
     """TorchRec hands its shards FBGEMM's embedding_shard_info: a FATAL error then says which part of the
     table this module holds and that its ids and positions are the shard's (TorchRec's row-wise

@@ -28,6 +28,7 @@ from torchrec_triton_tbe._fbgemm import (
 )
 from torchrec_triton_tbe import checkpoint, compat
 from torchrec_triton_tbe.autograd import HyperVersion, LastStream, LookupCall, StepVersion, TBEFunction
+from torchrec_triton_tbe.errors import InputError
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import vbe as vbe_ops
@@ -336,10 +337,10 @@ class TritonTBE(nn.Module):
             if spec.nobag:
                 # FBGEMM: "Variable batch size TBE support is not enabled for PoolingMode.NONE" (TorchRec
                 # pads sequence batches before the lookup).
-                raise ValueError("batch_size_per_feature_per_rank is not supported with pooling_mode=NONE")
+                raise InputError("batch_size_per_feature_per_rank is not supported with pooling_mode=NONE")
             sizes = vbe_ops.check_batch_sizes(spec, batch_size_per_feature_per_rank)
         elif vbe_output is not None or vbe_output_offsets is not None:
-            raise ValueError("vbe_output / vbe_output_offsets need batch_size_per_feature_per_rank")
+            raise InputError("vbe_output / vbe_output_offsets need batch_size_per_feature_per_rank")
         B = bounds_ops.validate_shapes(spec, indices, offsets, per_sample_weights, feature_requires_grad,
                                        None if sizes is None else sum(map(sum, sizes)))
         # FBGEMM: ids to int32 when the index type says so; offsets always follow the ids' dtype.

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from torchrec_triton_tbe.errors import InputError, InputTypeError
 from torchrec_triton_tbe.kernels.bounds import (
     CHECK_ONLY,
     REPAIR_COUNT,
@@ -50,40 +51,40 @@ def validate_shapes(
     T = spec.plan.num_features
     for name, x in (("indices", indices), ("offsets", offsets)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+            raise InputTypeError(f"{name} must be int32 or int64, got {x.dtype}")
         if x.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+            raise InputError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
         if x.device != spec.device:
-            raise ValueError(f"{name} is on {x.device}, the module's tables are on {spec.device}")
+            raise InputError(f"{name} is on {x.device}, the module's tables are on {spec.device}")
     if vbe_bags is not None:
         if offsets.numel() != vbe_bags + 1:
-            raise ValueError(
+            raise InputError(
                 f"offsets has {offsets.numel()} elements; batch_size_per_feature_per_rank sums to {vbe_bags} "
                 f"bags, so {vbe_bags + 1} are expected (feature-major, each feature's bags rank by rank)"
             )
     elif offsets.numel() < 1 or (offsets.numel() - 1) % T != 0:
-        raise ValueError(
+        raise InputError(
             f"offsets has {offsets.numel()} elements; expected T*B+1 with T={T} features "
             f"(table-major: offsets[t*B+b] starts bag b of feature t)"
         )
     if per_sample_weights is not None:
         if spec.nobag:
             # FBGEMM has no weighted sequence kernel either: nothing would pool the weighted rows.
-            raise ValueError("per_sample_weights are not supported with pooling_mode=NONE (no pooling to weight)")
+            raise InputError("per_sample_weights are not supported with pooling_mode=NONE (no pooling to weight)")
         if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.dtype not in FLOAT_DTYPES:
             got = getattr(per_sample_weights, "dtype", type(per_sample_weights).__name__)
-            raise TypeError(f"per_sample_weights must be a float32/float16/bfloat16 tensor, got {got}")
+            raise InputTypeError(f"per_sample_weights must be a float32/float16/bfloat16 tensor, got {got}")
         if per_sample_weights.shape != indices.shape:
-            raise ValueError(
+            raise InputError(
                 f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, indices {tuple(indices.shape)}: "
                 "one weight per lookup is required"
             )
         if per_sample_weights.device != spec.device:
-            raise ValueError(f"per_sample_weights is on {per_sample_weights.device}, the module on {spec.device}")
+            raise InputError(f"per_sample_weights is on {per_sample_weights.device}, the module on {spec.device}")
     if feature_requires_grad is not None and feature_requires_grad.numel() != T:
-        raise ValueError(f"feature_requires_grad has {feature_requires_grad.numel()} elements, expected T={T}")
+        raise InputError(f"feature_requires_grad has {feature_requires_grad.numel()} elements, expected T={T}")
     return vbe_bags if vbe_bags is not None else (offsets.numel() - 1) // T
 
 
@@ -94,7 +95,7 @@ def check_finite(name: str, x: torch.Tensor) -> None:
     if bool(bad.any()):
         first = bad.reshape(-1).nonzero()[0, 0].item()
         pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), x.shape))
-        raise ValueError(
+        raise InputError(
             f"{name}[{', '.join(map(str, pos))}] = {x.reshape(-1)[first].item()} is not finite ({int(bad.sum())} non-finite "
             f"of {x.numel()}); module.check_finite is on, so nothing was updated"
         )
@@ -174,13 +175,13 @@ def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B:
     ).tolist()
     plan = spec.plan
     if last != N:
-        raise ValueError(
+        raise InputError(
             f"bounds check (FATAL): offsets[-1] = {last} but indices has {N} elements; they must be equal"
         )
     if bad_bag != big:
         t, b = divmod(bad_bag, B)
         s, e = offsets[bad_bag].item(), offsets[bad_bag + 1].item()
-        raise ValueError(
+        raise InputError(
             f"bounds check (FATAL): bag {bad_bag} (feature {t}, {plan.table_label(plan.feature_table_map[t])}, sample {b}) "
             f"spans offsets[{bad_bag}:{bad_bag + 2}] = [{s}, {e}); offsets must be non-decreasing within [0, {N}]"
             + plan.shard_note(plan.feature_table_map[t])
@@ -189,7 +190,7 @@ def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B:
         bag = int(torch.searchsorted(safe, torch.tensor(bad_pos, dtype=safe.dtype, device=device), right=True)) - 1
         t, b = divmod(bag, B)
         k = plan.feature_table_map[t]
-        raise ValueError(
+        raise InputError(
             f"bounds check (FATAL): indices[{bad_pos}] = {indices[bad_pos].item()} is out of range for feature {t} "
             f"({plan.table_label(k)}, {plan.rows[k]} rows), sample {b}; ids must lie in [0, {plan.rows[k]})"
             + plan.shard_note(k)

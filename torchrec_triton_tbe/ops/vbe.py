@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from torchrec_triton_tbe.errors import InputError
 from torchrec_triton_tbe.kernels.vbe import _vbe_layout_kernel
 from torchrec_triton_tbe.ops.launch import cdiv, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
@@ -61,18 +62,18 @@ def check_batch_sizes(spec: TBESpec, batch_size_per_feature_per_rank) -> list[li
     if not isinstance(batch_size_per_feature_per_rank, (list, tuple)) or len(batch_size_per_feature_per_rank) != T:
         got = len(batch_size_per_feature_per_rank) if isinstance(batch_size_per_feature_per_rank, (list, tuple)) else type(
             batch_size_per_feature_per_rank).__name__
-        raise ValueError(f"batch_size_per_feature_per_rank must hold one list per feature (T={T}), got {got}")
+        raise InputError(f"batch_size_per_feature_per_rank must hold one list per feature (T={T}), got {got}")
     sizes, ranks = [], None
     for t, per_rank in enumerate(batch_size_per_feature_per_rank):
         if not isinstance(per_rank, (list, tuple)) or not per_rank:
-            raise ValueError(f"batch_size_per_feature_per_rank[{t}] must be a non-empty list of per-rank batch sizes")
+            raise InputError(f"batch_size_per_feature_per_rank[{t}] must be a non-empty list of per-rank batch sizes")
         row = []
         for r, b in enumerate(per_rank):
             if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-                raise ValueError(f"batch_size_per_feature_per_rank[{t}][{r}] = {b!r}: batch sizes are ints >= 0")
+                raise InputError(f"batch_size_per_feature_per_rank[{t}][{r}] = {b!r}: batch sizes are ints >= 0")
             row.append(int(b))
         if ranks is not None and len(row) != ranks:
-            raise ValueError(f"batch_size_per_feature_per_rank[{t}] has {len(row)} ranks, feature 0 has {ranks}")
+            raise InputError(f"batch_size_per_feature_per_rank[{t}] has {len(row)} ranks, feature 0 has {ranks}")
         ranks = len(row)
         sizes.append(row)
     return sizes
@@ -82,19 +83,19 @@ def _check_output(spec: TBESpec, vbe_output, vbe_output_offsets, ranks: int) -> 
     """FBGEMM's check_allocated_vbe_output, as ValueErrors."""
     T = spec.plan.num_features
     if (vbe_output is None) != (vbe_output_offsets is None):
-        raise ValueError("vbe_output and vbe_output_offsets must be given together")
+        raise InputError("vbe_output and vbe_output_offsets must be given together")
     if not isinstance(vbe_output, torch.Tensor) or vbe_output.dim() != 1 or not vbe_output.is_contiguous():
-        raise ValueError("vbe_output must be a contiguous 1-D tensor")
+        raise InputError("vbe_output must be a contiguous 1-D tensor")
     if vbe_output.dtype != spec.output_dtype:
-        raise ValueError(f"vbe_output is {vbe_output.dtype}; the module's output dtype is {spec.output_dtype}")
+        raise InputError(f"vbe_output is {vbe_output.dtype}; the module's output dtype is {spec.output_dtype}")
     if not isinstance(vbe_output_offsets, torch.Tensor) or tuple(vbe_output_offsets.shape) != (ranks, T):
         got = tuple(getattr(vbe_output_offsets, "shape", ()))
-        raise ValueError(f"vbe_output_offsets must have shape [ranks, features] = [{ranks}, {T}], got {got}")
+        raise InputError(f"vbe_output_offsets must have shape [ranks, features] = [{ranks}, {T}], got {got}")
     for name, x in (("vbe_output", vbe_output), ("vbe_output_offsets", vbe_output_offsets)):
         if x.device != spec.device:
-            raise ValueError(f"{name} is on {x.device}, the module on {spec.device}")
+            raise InputError(f"{name} is on {x.device}, the module on {spec.device}")
     if vbe_output_offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"vbe_output_offsets must be int32 or int64, got {vbe_output_offsets.dtype}")
+        raise InputError(f"vbe_output_offsets must be int32 or int64, got {vbe_output_offsets.dtype}")
 
 
 def vbe_layout(
