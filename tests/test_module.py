@@ -235,6 +235,8 @@ def test_a_bare_fbgemm_modules_checkpoint_loads(optimizer, precision):
 
 
 def test_a_fbgemm_checkpoint_of_other_tables_is_refused():
+    """Rows or dims per feature, which features share a table, a state kept per row on one side and per
+    element on the other, an unknown placement: each raises naming it, before anything is loaded."""
     fbgemm = make_pair([(10, 4), (7, 8)], [0, 1, 1])[1]
     ours = TritonTBE([(10, 4), (9, 8)], feature_table_map=[0, 1, 1], device="cpu")
     with pytest.raises(ValueError, match=r"rows_per_table \[10, 7, 7\] per feature, this module has \[10, 9, 9\]"):
@@ -243,6 +245,40 @@ def test_a_fbgemm_checkpoint_of_other_tables_is_refused():
     bad.pop("rows_per_table")
     with pytest.raises(ValueError, match=r"weights_placements\[1\] = 9 is not a placement"):
         TritonTBE([(10, 4), (7, 8)], feature_table_map=[0, 1, 1], device="cpu").load_state_dict(bad)
+    # Same rows and dims per feature, another sharing: two tables there, one shared table here.
+    two = make_pair([(6, 4), (6, 4)], [0, 1])[1]
+    with pytest.raises(ValueError, match="feature 1 reads another table there than here"):
+        TritonTBE([(6, 4)], feature_table_map=[0, 0], device="cpu").load_state_dict(two.state_dict())
+    # Adagrad's state per element there, row-wise Adagrad's per row here.
+    adagrad = make_pair([(6, 4), (3, 8)], optimizer=EmbOptimType.EXACT_ADAGRAD)[1]
+    rowwise = TritonTBE([(6, 4), (3, 8)], device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    with pytest.raises(ValueError, match=r"momentum1_host holds 48 values, this module's tables there take 9 "
+                                         r"\(one per row\)"):
+        rowwise.load_state_dict(adagrad.state_dict())
+
+
+def test_a_fbgemm_checkpoint_without_a_state_loads_non_strictly():
+    """An SGD checkpoint (no optimizer state) into a row-wise Adagrad module: strict, the state is reported
+    missing; non-strict, the weights load and the module keeps its state."""
+    sgd = make_pair([(6, 4)], optimizer=EmbOptimType.EXACT_SGD)[1]
+    ours = TritonTBE([(6, 4)], device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    ours.momentum1.fill_(0.5)
+    with pytest.raises(RuntimeError, match="Missing key.*momentum1"):
+        ours.load_state_dict(sgd.state_dict())
+    assert ours.load_state_dict(sgd.state_dict(), strict=False).missing_keys == ["momentum1"]
+    assert torch.equal(ours.split_embedding_weights()[0], sgd.split_embedding_weights()[0])
+    assert ours.momentum1.tolist() == [0.5] * 6
+
+
+def test_a_checkpoint_from_before_the_empty_tables_zero_row_loads():
+    """A module with a table of 0 rows keeps a zero row past its tables (TablePlan.empty_row_offset); its
+    checkpoints from before that hold the tables alone, and still load."""
+    a = TritonTBE([(4, 4), (0, 4), (3, 4)], device="cpu")
+    old = {**a.state_dict(), "weights": torch.arange(28, dtype=torch.float32)}
+    b = TritonTBE([(4, 4), (0, 4), (3, 4)], device="cpu")
+    b.load_state_dict(old)
+    assert torch.equal(torch.cat([w.reshape(-1) for w in b.split_embedding_weights()]), torch.arange(28.0))
+    assert b.weights.numel() == 32 + 4 and not b.weights[28:].any()
 
 
 def test_the_learning_rate_is_not_checkpointed():

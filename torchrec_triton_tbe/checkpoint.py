@@ -43,8 +43,11 @@ def from_fbgemm(state_dict: dict, prefix: str, plan: TablePlan, states: dict[str
     module's buffer, one value per row?); a state its optimizer does not keep has an empty buffer and stays
     empty) gathered table by table from FBGEMM's placement buffers; ``iter`` as FBGEMM saved it (it does
     where its optimizer counts steps), else ``step``, this module's; every other FBGEMM entry under
-    ``prefix`` (metadata, caches) dropped. Raises ``ValueError`` naming the difference where the
-    checkpoint's tables (rows and dims per feature) or a state this module keeps do not match."""
+    ``prefix`` (metadata, caches) dropped. A state whose placements FBGEMM did not save (its optimizer
+    has no such state) is left out, for ``load_state_dict`` to report missing (or, non-strict, to keep
+    this module's). Raises ``ValueError`` naming the difference where the checkpoint's tables do not
+    match: rows or dims per feature, which features share a table, or a state's size (one value per row
+    here, per element there, or the other way round)."""
     T = plan.num_features
     first_feature: dict[int, int] = {}
     for t, k in enumerate(plan.feature_table_map):
@@ -57,6 +60,8 @@ def from_fbgemm(state_dict: dict, prefix: str, plan: TablePlan, states: dict[str
     for name, (buffer, rowwise) in states.items():
         if buffer.numel() == 0:
             state_dict[prefix + name] = buffer.detach()
+            continue
+        if prefix + f"{name}_placements" not in state_dict:
             continue
         flat = _gather(state_dict, prefix, name, plan, first_feature, T, rowwise)
         if buffer.numel() > flat.numel():  # the weights' zero row past the tables (TablePlan.empty_row_offset)
@@ -74,6 +79,31 @@ def _gather(state_dict: dict, prefix: str, name: str, plan: TablePlan, first_fea
             rowwise: bool) -> torch.Tensor:
     placements = _entry(state_dict, prefix, f"{name}_placements", T)
     offsets = _entry(state_dict, prefix, f"{name}_offsets", T)
+    for t, placement in enumerate(placements):
+        if placement not in _SUFFIX:
+            raise ValueError(f"FBGEMM checkpoint: {name}_placements[{t}] = {placement} is not a placement this "
+                             f"module reads ({', '.join(EmbeddingLocation(p).name for p in _SUFFIX)})")
+    # FBGEMM places a table once, where its features' (placement, offset) point: features share one of
+    # this module's tables exactly where they share one of FBGEMM's.
+    where: dict[tuple[int, int], int] = {}
+    for t, k in enumerate(plan.feature_table_map):
+        if plan.rows[k] == 0:  # an empty table starts where the next does
+            continue
+        k_there = where.setdefault((placements[t], offsets[t]), k)
+        if k_there != k or (placements[first_feature[k]], offsets[first_feature[k]]) != (placements[t], offsets[t]):
+            raise ValueError(f"FBGEMM checkpoint: feature {t} reads another table there than here "
+                             f"(feature_table_map {list(plan.feature_table_map)} here)")
+    # Each placement buffer holds exactly its tables: a state per row here and per element there (or the
+    # other way round) sizes differently.
+    sizes: dict[str, int] = {}  # by buffer (MANAGED and MANAGED_CACHING share _uvm)
+    for k, t in first_feature.items():
+        suffix = _SUFFIX[placements[t]]
+        sizes[suffix] = sizes.get(suffix, 0) + (plan.rows[k] if rowwise else plan.rows[k] * plan.dims[k])
+    for suffix, size in sizes.items():
+        source = state_dict.get(f"{prefix}{name}_{suffix}")
+        if source is not None and source.numel() != size:
+            raise ValueError(f"FBGEMM checkpoint: {name}_{suffix} holds {source.numel()} values, this module's "
+                             f"tables there take {size} ({'one per row' if rowwise else 'rows x dim'})")
     parts: list[torch.Tensor] = []
     for k, (rows, dim) in enumerate(zip(plan.rows, plan.dims)):
         t = first_feature.get(k)
@@ -84,9 +114,6 @@ def _gather(state_dict: dict, prefix: str, name: str, plan: TablePlan, first_fea
             raise ValueError(f"FBGEMM checkpoint: no feature reads table {k}, and FBGEMM's {name}_offsets place "
                              "tables by feature")
         placement = int(placements[t])
-        if placement not in _SUFFIX:
-            raise ValueError(f"FBGEMM checkpoint: {name}_placements[{t}] = {placement} is not a placement this "
-                             f"module reads ({', '.join(EmbeddingLocation(p).name for p in _SUFFIX)})")
         source = state_dict.get(f"{prefix}{name}_{_SUFFIX[placement]}")
         begin = int(offsets[t])
         if source is None or source.numel() < begin + size:

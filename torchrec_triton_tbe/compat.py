@@ -39,7 +39,8 @@ OPTIMIZERS = {
 # What the module computes with (the optimizer's keywords are read by optimizer_spec below).
 USED = (
     "embedding_specs feature_table_map weights_precision output_dtype stochastic_rounding pooling_mode device "
-    "bounds_check_mode table_names embedding_table_index_type embedding_table_offset_type cache_precision"
+    "bounds_check_mode table_names embedding_table_index_type embedding_table_offset_type cache_precision "
+    "embedding_shard_info"  # for error messages only (TablePlan.shard_note)
 ).split()
 OPTIMIZER_KEYWORDS = (
     "optimizer learning_rate eps momentum weight_decay weight_decay_mode eta beta1 beta2 gradient_clipping "
@@ -63,7 +64,7 @@ IGNORED = (
     "cache_algorithm cache_load_factor cache_sets cache_reserved_memory enforce_hbm record_cache_metrics "
     "gather_uvm_cache_stats uvm_non_rowwise_momentum use_experimental_tbe prefetch_pipeline "
     "stats_reporter_config multipass_prefetch_config uvm_host_mapped tbe_input_multiplexer_config "
-    "embedding_shard_info is_qr_tbe res_params ensemble_mode emainplace_mode "
+    "is_qr_tbe res_params ensemble_mode emainplace_mode "
     "ar_alpha ema_beta min_shrinkage"
 ).split()
 

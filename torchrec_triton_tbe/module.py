@@ -575,6 +575,14 @@ class TritonTBE(nn.Module):
                  for name in ("weights", "momentum1", "momentum2", "row_counter")},
                 self.iter,
             )
+        # Checkpoints written before a table of 0 rows got its zero row (TablePlan.empty_row_offset) hold
+        # the tables alone.
+        weights = state_dict.get(prefix + "weights")
+        plan = self._spec.plan
+        if (isinstance(weights, torch.Tensor) and plan.empty_row_offset is not None
+                and weights.numel() == plan.total_weight_elements):
+            state_dict[prefix + "weights"] = torch.cat(
+                [weights, weights.new_zeros(plan.weight_storage_elements - weights.numel())])
         # Checkpoints written before the learning rate stopped being saved hold it: ignored, as FBGEMM
         # (which never saves it) would not have it to restore.
         state_dict.pop(prefix + "learning_rate_tensor", None)
