@@ -8,7 +8,8 @@ short path alone, short + long split-K, and the fused and split long paths; the 
 CUDA graphs; the D-bucket forward on side streams, the backward's buckets on the device config's
 streams, and a bucket's short kernel and long path on two (split paths), eager and replayed; the fused
 bounds check fed bad ids (WARNING and IGNORE), FATAL rejecting them, and the separate check; the
-hoisted transpose; a variable batch (VBE).
+hoisted transpose; a variable batch (VBE); tables of 0 rows whose (repaired) lookups read the zero row past
+the tables.
 
     python tools/sanitize_cases.py [--list] [--only NAME,...]
 """
@@ -79,7 +80,19 @@ class Case:
     split_paths: bool = False  # each backward bucket's short kernel and long path on streams of their own
     split_heaviest: bool = False  # the heaviest backward bucket's two paths on two of four streams
     vbe: bool = False
+    # A table of 0 rows first and one last, each read by a feature whose ids (all out of range there) the
+    # bounds check repairs: they must read the zero row past the tables and update nothing.
+    empty_tables: bool = False
     steps: int = 2
+
+    def layout(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(specs, feature_table_map) of this case's module."""
+        specs, ftm = list(SPECS), list(FTM)
+        if self.empty_tables:
+            specs, ftm = [(0, 32)] + specs + [(0, 64)], [0] + [k + 1 for k in ftm] + [len(specs) + 1]
+        if self.pooling == PoolingMode.NONE:
+            specs = [(r, 64) for r, _ in specs]
+        return specs, ftm
 
 
 def _cases() -> list[Case]:
@@ -109,6 +122,11 @@ def _cases() -> list[Case]:
         Case("hoist-fused-bounds-weighted", hoist_transpose=True, fused_bounds_check=True, weighted=True),
         Case("vbe-sum", vbe=True),
         Case("vbe-mean-weighted-fp32", vbe=True, pooling=PoolingMode.MEAN, weighted=True, weights=SparseType.FP32),
+        Case("empty-tables-bounds-warning", empty_tables=True),
+        Case("empty-tables-fused-ignore-weighted", empty_tables=True, fused_bounds_check=True,
+             bounds=BoundsCheckMode.IGNORE, weighted=True, psw_grad=True),
+        Case("empty-tables-sequence-fused-warning", empty_tables=True, fused_bounds_check=True,
+             pooling=PoolingMode.NONE),
     ]
     return cases
 
@@ -116,11 +134,14 @@ def _cases() -> list[Case]:
 def _batch(seed: int, case: Case, bags_per_feature: list[int]):
     """Skewed ids (u**4 * rows: long runs on the hot rows, short ones elsewhere), 0..2L-1 per bag."""
     g = torch.Generator().manual_seed(seed)
+    specs, ftm = case.layout()
     lengths = [torch.randint(0, 2 * L, (n,), generator=g) for n in bags_per_feature]
     ids = []
-    for (k, n) in zip(FTM, lengths):
+    for (k, n) in zip(ftm, lengths):
         u = torch.rand(int(n.sum()), generator=g)
-        ids.append((SPECS[k][0] * u**4).long().clamp(max=SPECS[k][0] - 1))
+        # A table of 0 rows: every id is out of range (repaired to 0 by the bounds check).
+        rows = specs[k][0] or 100
+        ids.append((rows * u**4).long().clamp(max=rows - 1))
     idx = torch.cat(ids)
     offsets = torch.zeros(sum(bags_per_feature) + 1, dtype=torch.int64)
     offsets[1:] = torch.cat(lengths).cumsum(0)
@@ -151,8 +172,8 @@ def _module(case: Case) -> TritonTBE:
         cfg = cfg.replace_backward(bucket_streams=4, bucket_streams_min_lookups=0, split_heaviest=True,
                                    split_paths_min_lookups=0)
     optimizer, extra = OPTIMIZERS[case.optimizer]
-    specs = SPECS if case.pooling != PoolingMode.NONE else [(r, 64) for r, _ in SPECS]
-    m = TritonTBE(specs, feature_table_map=FTM, device=DEV, optimizer=optimizer, pooling_mode=case.pooling,
+    specs, ftm = case.layout()
+    m = TritonTBE(specs, feature_table_map=ftm, device=DEV, optimizer=optimizer, pooling_mode=case.pooling,
                   weights_precision=case.weights, bounds_check_mode=case.bounds, learning_rate=0.05, eps=0.01,
                   fused_bounds_check=case.fused_bounds_check, hoist_transpose=case.hoist_transpose,
                   kernel_config=cfg, **extra)
@@ -167,7 +188,7 @@ def _sync() -> None:
 
 def run(case: Case) -> str:
     m = _module(case)
-    T = len(FTM)
+    T = len(case.layout()[1])
     bags = [B // 2 + 7 * t for t in range(T)] if case.vbe else [B] * T
     vbe = [[n] for n in bags] if case.vbe else None
     for step in range(case.steps):
@@ -187,7 +208,9 @@ def run(case: Case) -> str:
     _sync()
     bad = [k for k, w in enumerate(m.split_embedding_weights()) if not bool(torch.isfinite(w).all())]
     assert not bad, f"non-finite weights in tables {bad}"
-    note = f"warnings={int(m.bounds_check_warning)}" if case.bad_ids else ""
+    if case.empty_tables:  # the zero row the empty tables' lookups read stays zero
+        assert not bool(m.weights[m.spec.plan.empty_row_offset:].any()), "the empty tables' zero row was written"
+    note = f"warnings={int(m.bounds_check_warning)}" if case.bad_ids or case.empty_tables else ""
     return f"ok {note}".strip()
 
 
