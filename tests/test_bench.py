@@ -121,13 +121,25 @@ def test_fbgemm_only_options_are_accepted_at_their_defaults_and_refused_otherwis
         cli.main(["--uvm-host-mapped"])
 
 
-def test_fbgemms_command_name_and_line(capsys):
-    """FBGEMM's command line starts with its command, `device`; the lines carry FBGEMM's `a:` (alpha)."""
+def test_fbgemms_command_name_and_line(capsys, tmp_path):
+    """FBGEMM's command line starts with its command, `device`; the lines carry FBGEMM's `a:` (alpha); the
+    JSON records the command line as typed, command word included, so it reruns as written."""
     argv = ["device", "--batch-size", "4", "--num-tables", "1", "--num-embeddings", "20", "--embedding-dim", "8",
             "--bag-size", "2", "--iters", "1", "--passes", "fwd", "--optimizer", "exact_sgd", "--alpha", "1.15"]
-    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "Forward, B: 4, E: 20, T: 1, D: 8, L: 2, W: False, a: 1.15, BW:" in out, out
+    command_line = json.loads((tmp_path / "r.json").read_text())["environment"]["command_line"]
+    assert " device --batch-size 4 " in command_line, command_line
+
+
+def test_weighted_sequence_lookups_are_refused_up_front(capsys):
+    """Per-sample weights weight a pooled sum: --weighted with --pooling none is an argument error, before
+    any module is built."""
+    with pytest.raises(SystemExit):
+        cli.main(["--pooling", "none", "--weighted", "--batch-size", "2", "--num-tables", "1",
+                  "--num-embeddings", "20", "--embedding-dim", "8", "--bag-size", "2", "--iters", "1"])
+    assert "pooling none with weighted" in capsys.readouterr().err
 
 
 def _spec_case(argv):
@@ -677,7 +689,9 @@ def test_sequence_vbe_and_per_table_cases_check_against_fbgemm(tmp_path, argv):
     (["--weighted", "--pooling", "mean", "--optimizer", "exact_rowwise_adagrad"], True),
     (["--optimizer", "adam,lars_sgd"], True),
     (["--weights-precision", "bf16", "--pooling", "none", "--optimizer", "exact_sgd"], False),
-], ids=["weighted-mean", "optimizers-fbgemm-cpu-lacks", "bf16-sequence"])
+    (["--weighted", "--pooling", "mean", "--output-dtype", "fp16", "--optimizer", "exact_sgd"], False),
+    (["--batch-size-list", "3,2", "--optimizer", "exact_adagrad"], True),  # FBGEMM: no VBE with Adagrad
+], ids=["weighted-mean", "optimizers-fbgemm-cpu-lacks", "bf16-sequence", "weighted-mean-fp16-out", "vbe-adagrad"])
 def test_what_fbgemms_cpu_tbe_cannot_check_is_skipped_and_checked_against_the_reference(tmp_path, capsys, argv,
                                                                                        fbgemm_forward):
     """Off the GPU, --compare fbgemm --check on a case FBGEMM's CPU TBE cannot run (bf16, optimizers past
@@ -695,8 +709,8 @@ def test_what_fbgemms_cpu_tbe_cannot_check_is_skipped_and_checked_against_the_re
         assert check["ok"]
         ref = check["reference"]
         assert ref["ok"] and ref["weights_after_backward"]["numel"] == 2 * 9 * 8
-        # [B, T * D] pooled; [T * B * L, D] sequence
-        assert ref["output"]["numel"] == 3 * 2 * 8 * (3 if "none" in argv else 1)
+        # [B, T * D] pooled; [T * B * L, D] sequence; VBE: 1-D, sum of B_t * D
+        assert ref["output"]["numel"] == (5 * 8 if "--batch-size-list" in argv else 3 * 2 * 8 * (3 if "none" in argv else 1))
         bwd = shape["results"][f"bwd_{optimizer}"]
         assert "median_ms" in bwd["triton"] and "skipped" in bwd["fbgemm"] and "speedup" not in bwd
         assert f"fbgemm {optimizer} Backward: skipped ({bwd['fbgemm']['skipped']})" in log
@@ -704,7 +718,7 @@ def test_what_fbgemms_cpu_tbe_cannot_check_is_skipped_and_checked_against_the_re
             assert check["output"]["ok"] and "skipped" in check["weights_after_backward"]
             assert "median_ms" in shape["results"]["fwd"]["fbgemm"]
         else:
-            assert "bf16" in check["fbgemm"]["skipped"] and "skipped" in shape["results"]["fwd"]["fbgemm"]
+            assert check["fbgemm"]["skipped"] and "skipped" in shape["results"]["fwd"]["fbgemm"]
     if "adam" in argv[-1]:
         assert "state_after_backward" in shape["check"]["adam"]["reference"]  # Adam's two states
 

@@ -70,6 +70,9 @@ def optimizer_table(d: dict) -> None:
             if x is None:
                 cells.append("—")
                 continue
+            if "speedup" not in x:  # FBGEMM could not run this pass (bench/runner.py skip_reason)
+                cells.append(f"{x['triton']['median_ms']:.3f} / {fbgemm_cell(x)}")
+                continue
             t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
             ratios[k].append((sp, s["name"]))
             cell = f"{t:.3f} / {f:.3f} = {sp:.2f}×"
@@ -79,7 +82,13 @@ def optimizer_table(d: dict) -> None:
             cells.append(cell)
         print("| " + " | ".join(cells) + " |")
     print("| geo-mean (worst) | " + " | ".join(
-        f"{g([r for r, _ in ratios[k]]):.2f}× ({min(ratios[k])[0]:.2f}× {min(ratios[k])[1]})" for k in keys) + " |")
+        f"{g([r for r, _ in ratios[k]]):.2f}× ({min(ratios[k])[0]:.2f}× {min(ratios[k])[1]})" if ratios[k] else "—"
+        for k in keys) + " |")
+
+
+def fbgemm_cell(x: dict) -> str:
+    """FBGEMM's cell of a pass it has no time for: "skipped" (it cannot run it) or "—"."""
+    return "skipped" if "skipped" in x.get("fbgemm", {}) else "—"
 
 
 def host_table(d: dict, passes: tuple) -> None:
@@ -108,6 +117,11 @@ def host_table(d: dict, passes: tuple) -> None:
 
 def main(path: str) -> None:
     d = json.load(open(path))
+    # Its ratios and the floor are GPU kernel times against FBGEMM's (the bench's JSON says which it holds).
+    if not d.get("timing_meaningful", True) or d.get("copy_bandwidth") is None:
+        sys.exit(f"{path}: not a GPU run (its times measure Triton's interpreter); perf_table summarises GPU runs")
+    if not any("fbgemm" in e for s in d["shapes"] for e in s.get("results", {}).values()):
+        sys.exit(f"{path}: FBGEMM was not compared (--compare fbgemm); perf_table's ratios are FBGEMM / ours")
     failed = [s for s in d["shapes"] if "results" not in s]
     for s in failed:  # a shape that raised (e.g. out of memory) has its error instead of results
         print(f"{s['name']}: no results ({str(s.get('error', '?')).strip().splitlines()[-1][:160]})")
@@ -142,6 +156,11 @@ def main(path: str) -> None:
                 pcells += peer_cells(x, peer)
                 if f"speedup_{peer}" in x:
                     peer_ratios[(peer, p)].append(x[f"speedup_{peer}"])
+            if "speedup" not in x:  # FBGEMM could not run this pass: no ratio for the geo-means
+                cells += [f"{x['triton']['median_ms']:.3f}", fbgemm_cell(x), "—"]
+                cells += [f"{x['triton']['gbps']:.0f}"] if p == "fwd" else []
+                cells += ["—", "—"] if p == "bwd_exact_rowwise_adagrad" else []
+                continue
             t, f, sp = x["triton"]["median_ms"], x["fbgemm"]["median_ms"], x["speedup"]
             cells += [f"{t:.3f}", f"{f:.3f}", f"{sp:.2f}×"]
             if p == "fwd":

@@ -197,6 +197,9 @@ class BenchCase:
             problems.append("pooling none needs one embedding dim for every table (FBGEMM's sequence kernels)")
         if self.pooling == "none" and self.batch_size_list is not None:
             problems.append("pooling none with batch_size_list: FBGEMM has no variable batch for sequence lookups")
+        if self.pooling == "none" and self.weighted:
+            problems.append("pooling none with weighted: per-sample weights weight a pooled sum (FBGEMM's sequence "
+                            "lookup takes none)")
         for field in ("weights_precision", "output_dtype"):
             if getattr(self, field) not in PRECISIONS:
                 problems.append(f"{field} {getattr(self, field)!r}: TritonTBE supports {', '.join(PRECISIONS)}")

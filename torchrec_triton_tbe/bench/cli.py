@@ -172,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     cuda = device.type == "cuda"
     record: dict[str, Any] = {
-        "environment": environment(device, argv),
+        "environment": environment(device, argv if command is None else [command, *argv]),  # as typed
         "suite": header,
         "compare": ",".join(compare) if compare else None,  # "fbgemm" as it always was
         "timing_method": TIMED_BY_EVENTS if cuda else TIMED_BY_WALL_CLOCK,

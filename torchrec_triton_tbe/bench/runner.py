@@ -98,14 +98,21 @@ def _failure(e: BaseException) -> str:
 # What FBGEMM's CPU TBE (fbgemm-gpu-cpu 1.9.0, the --check oracle off the GPU) trains: its constructor
 # asserts on any other optimizer.
 FBGEMM_CPU_OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")
+# The bench's optimizers FBGEMM's TBE (1.6.0 and 1.9.0, CUDA and CPU) takes a variable batch with: its
+# forward asserts on the others ("Variable batch size TBE support is enabled for ...").
+FBGEMM_VBE_OPTIMIZERS = ("exact_sgd", "exact_rowwise_adagrad", "adam")
 
 
 def skip_reason(kernel: str, w: Workload, optimizer: Optional[str], device: torch.device) -> Optional[str]:
     """Why ``kernel`` cannot run this case's forward (``optimizer`` None) or its backward with
-    ``optimizer``; None when it can. Ours runs everything the bench offers, and so does FBGEMM's CUDA TBE."""
+    ``optimizer``; None when it can. Ours runs everything the bench offers; FBGEMM's CUDA TBE all but a
+    variable batch with some optimizers, its CPU TBE less (fbgemm_cpu_skip_reason)."""
     if kernel == "triton":
         return None
     if kernel == "fbgemm":
+        if w.case.vbe and optimizer is not None and optimizer not in FBGEMM_VBE_OPTIMIZERS:
+            return (f"optimizer {optimizer} with a variable batch: FBGEMM's TBE takes one with "
+                    f"{', '.join(FBGEMM_VBE_OPTIMIZERS)} only")
         return None if torch.device(device).type == "cuda" else fbgemm_cpu_skip_reason(w.case, optimizer)
     return peers.peer_skip_reason(kernel, w.case, optimizer, device)
 
@@ -115,6 +122,9 @@ def fbgemm_cpu_skip_reason(case: Any, optimizer: Optional[str]) -> Optional[str]
     skipped instead of failing the shape or reporting a mismatch that is FBGEMM's CPU semantics."""
     if "bf16" in (case.weights_precision, case.output_dtype):
         return "FBGEMM's CPU TBE has no bf16 kernels (its forward raises NotImplementedError for BFloat16)"
+    if case.weighted and case.pooling == "mean" and case.output_dtype != "fp32":
+        return ("weighted MEAN with a 16-bit output: FBGEMM's CPU forward leaves out the 1/L there (its fp32 "
+                "output and its CUDA forward apply it)")
     if optimizer is None:
         return None
     if optimizer not in FBGEMM_CPU_OPTIMIZERS:
@@ -178,7 +188,8 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
         cuda = opts.device.type == "cuda"
         location = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if cuda
                     else (EmbeddingLocation.HOST, ComputeDevice.CPU))
-        if optimizer not in FBGEMM_CPU_OPTIMIZERS and not cuda:  # its backward is skipped; the forward is the same
+        if skip_reason("fbgemm", w, optimizer, opts.device) is not None:
+            # Its backward is skipped (an optimizer it lacks here): the forward is the same with any.
             common = dict(common, optimizer=_OPTIMIZER["exact_sgd"])
         fbgemm = SplitTableBatchedEmbeddingBagsCodegen(
             [(e, d, *location) for e, d in zip(rows, w.Ds)],
