@@ -651,6 +651,17 @@ def test_cli_single_case_forward_only(tmp_path):
     # Merging runs (a suite split over several commands) keeps every shape once.
     merged = merge([record, {**record, "shapes": [{**shape, "name": "other"}]}])
     assert [s["name"] for s in merged["shapes"]] == ["cli", "other"]
+    # A clash (single-case runs are all "cli"): the later run's shape, and a line saying so.
+    notes = []
+    merged = merge([record, {**record, "shapes": [{**shape, "lookups": -1}]}], note=notes.append)
+    assert [s["lookups"] for s in merged["shapes"]] == [-1] and notes == ["shape 'cli' of input 2 replaces an "
+                                                                          "earlier input's"]
+    from torchrec_triton_tbe.bench import report
+
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a bench run"}))
+    for bad in (tmp_path / "missing.json", tmp_path / "other.json"):
+        with pytest.raises(SystemExit):
+            report.main([str(out), str(bad), "--plot", str(tmp_path / "p.png")])
 
 
 @pytest.mark.parametrize("argv", [

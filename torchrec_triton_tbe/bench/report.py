@@ -26,7 +26,7 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -295,12 +295,15 @@ def write_plot(path: str, record: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Shapes of several runs in one record (the first run's header; later shapes win on name clashes)."""
+def merge(records: Sequence[dict[str, Any]], note: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Shapes of several runs in one record (the first run's header; later shapes win on name clashes, a
+    re-run replacing its shape: ``note`` gets a line for each, as single-case runs are all named "cli")."""
     merged = dict(records[0])
     by_name: dict[str, dict] = {}
-    for rec in records:
+    for i, rec in enumerate(records):
         for shape in rec["shapes"]:
+            if shape["name"] in by_name:
+                note(f"shape {shape['name']!r} of input {i + 1} replaces an earlier input's")
             by_name[shape["name"]] = shape
     merged["shapes"] = list(by_name.values())
     merged["merged_from"] = [r.get("environment", {}).get("command_line") for r in records]
@@ -313,10 +316,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--plot", required=True)
     ap.add_argument("--json", default=None, help="also write the merged record")
     args = ap.parse_args(argv)
-    record = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+    records = []
+    for p in args.inputs:
+        try:
+            record = json.loads(Path(p).read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"{p}: {e}")
+        if not isinstance(record, dict) or not isinstance(record.get("shapes"), list):
+            ap.error(f"{p}: not a benchmark JSON (torchrec-triton-tbe-bench --json): it has no shapes")
+        records.append(record)
+    record = merge(records, note=print)
     if args.json:
         write_json(args.json, record)
+        print(f"wrote {args.json}")
     write_plot(args.plot, record)
+    print(f"wrote {args.plot}")
     return 0
 
 
