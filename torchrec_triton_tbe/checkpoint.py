@@ -63,10 +63,9 @@ def from_fbgemm(state_dict: dict, prefix: str, plan: TablePlan, states: dict[str
             continue
         if prefix + f"{name}_placements" not in state_dict:
             continue
-        flat = _gather(state_dict, prefix, name, plan, first_feature, T, rowwise)
-        if buffer.numel() > flat.numel():  # the weights' zero row past the tables (TablePlan.empty_row_offset)
-            flat = torch.cat([flat, flat.new_zeros(buffer.numel() - flat.numel())])
-        state_dict[prefix + name] = flat
+        # The weights' tables alone: TritonTBE._load_from_state_dict appends the zero row of
+        # TablePlan.empty_row_offset, as for its own checkpoints from before it.
+        state_dict[prefix + name] = _gather(state_dict, prefix, name, plan, first_feature, T, rowwise)
     state_dict.setdefault(prefix + "iter", step.detach())
     kept = {prefix + n for n in (*states, "iter", "placeholder_autograd_tensor")}
     dropped = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):] and k not in kept]
@@ -95,19 +94,19 @@ def _gather(state_dict: dict, prefix: str, name: str, plan: TablePlan, first_fea
                              f"(feature_table_map {list(plan.feature_table_map)} here)")
     # Each placement buffer holds exactly its tables: a state per row here and per element there (or the
     # other way round) sizes differently.
+    table_size = [r if rowwise else r * d for r, d in zip(plan.rows, plan.dims)]
     sizes: dict[str, int] = {}  # by buffer (MANAGED and MANAGED_CACHING share _uvm)
     for k, t in first_feature.items():
         suffix = _SUFFIX[placements[t]]
-        sizes[suffix] = sizes.get(suffix, 0) + (plan.rows[k] if rowwise else plan.rows[k] * plan.dims[k])
+        sizes[suffix] = sizes.get(suffix, 0) + table_size[k]
     for suffix, size in sizes.items():
         source = state_dict.get(f"{prefix}{name}_{suffix}")
         if source is not None and source.numel() != size:
             raise ValueError(f"FBGEMM checkpoint: {name}_{suffix} holds {source.numel()} values, this module's "
                              f"tables there take {size} ({'one per row' if rowwise else 'rows x dim'})")
     parts: list[torch.Tensor] = []
-    for k, (rows, dim) in enumerate(zip(plan.rows, plan.dims)):
+    for k, size in enumerate(table_size):
         t = first_feature.get(k)
-        size = rows if rowwise else rows * dim
         if size == 0:
             continue
         if t is None:

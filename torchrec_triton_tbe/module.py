@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16, SparseType.BF16: torch.bfloat16}
 _POOLING = (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE)
 # The buffers a backward updates or reads, in OptimizerTensors' field order.
-_STATE_BUFFERS = ("weights", "momentum1", "momentum2", "row_counter", "learning_rate_tensor", "optimizer_hyper",
-                  "iter")
+_OPTIMIZER_BUFFERS = ("momentum1", "momentum2", "row_counter")  # FBGEMM's names; empty where unused
+_STATE_BUFFERS = ("weights", *_OPTIMIZER_BUFFERS, "learning_rate_tensor", "optimizer_hyper", "iter")
 # update_hyper_parameters keys FBGEMM takes; "lower_bound" configures global weight decay, which is
 # never enabled here (as in FBGEMM without it, setting it changes nothing).
 _UPDATABLE = ("eps", "beta1", "beta2", "weight_decay")
@@ -199,7 +199,7 @@ class TritonTBE(nn.Module):
         self.register_buffer("weights", torch.zeros(plan.weight_storage_elements, dtype=wdtype, device=dev))
         # FBGEMM's optimizer state buffers (momentum1, momentum2, row_counter), empty where unused.
         held = {state.name: state for state in optim_spec.states}
-        for name in ("momentum1", "momentum2", "row_counter"):
+        for name in _OPTIMIZER_BUFFERS:
             state = held.get(name)
             size = 0 if state is None else (plan.total_rows if state.rowwise else plan.total_weight_elements)
             dtype = torch.float32 if state is None else state.dtype
@@ -572,11 +572,11 @@ class TritonTBE(nn.Module):
             checkpoint.from_fbgemm(
                 state_dict, prefix, self._spec.plan,
                 {name: (getattr(self, name), rowwise.get(name, False))
-                 for name in ("weights", "momentum1", "momentum2", "row_counter")},
+                 for name in ("weights", *_OPTIMIZER_BUFFERS)},
                 self.iter,
             )
-        # Checkpoints written before a table of 0 rows got its zero row (TablePlan.empty_row_offset) hold
-        # the tables alone.
+        # Weights of the tables alone (this module's checkpoints from before a table of 0 rows got its zero
+        # row, TablePlan.empty_row_offset; FBGEMM's, above): the zero row appended.
         weights = state_dict.get(prefix + "weights")
         plan = self._spec.plan
         if (isinstance(weights, torch.Tensor) and plan.empty_row_offset is not None

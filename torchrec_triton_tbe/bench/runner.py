@@ -291,18 +291,7 @@ def check_first_batch(modules: dict[str, torch.nn.Module], w: Workload, optimize
         if name not in stepped:
             part["weights_after_backward"] = {"skipped": skip_reason(name, w, optimizer, device)}
             return part
-        per_table = [_compare(a, b, *w_tol) for a, b in zip(ours.split_embedding_weights(), ref.split_embedding_weights())]
-        part["weights_after_backward"] = _merge(per_table)
-        # State after one step is a function of each gradient sum, which for a hot row of ~10^4 lookups
-        # can cancel down to far below its terms: its fp32 error (summation order) is relative to the
-        # terms, not to the sum. So the absolute tolerance scales with the tensor's largest value (H200,
-        # 2026-12-01: Adagrad / Adam / LAMB states were off in 4-19 of 2-8 billion elements with a fixed
-        # 1e-6, weights all within theirs).
-        states = [_compare(a, b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
-                  for mine, theirs in zip(ours.split_optimizer_states(), ref.split_optimizer_states())
-                  for a, b in zip(mine, theirs)]
-        if states:
-            part["state_after_backward"] = _merge(states)
+        part.update(_after_step(ours, ref.split_embedding_weights(), ref.split_optimizer_states(), w_tol, s_tol))
         return part
 
     result: dict[str, Any] = {}
@@ -340,13 +329,26 @@ def _against_reference(ours: TritonTBE, tables0: list[torch.Tensor], w: Workload
     part: dict[str, Any] = {"output": _compare(out, ref.output(out64).detach(), *f_tol)}
     ref.backward(out64, w.grad_output)
     ref.step()
-    part["weights_after_backward"] = _merge([_compare(a, b, *w_tol)
-                                             for a, b in zip(ours.split_embedding_weights(), ref.tables)])
-    states = [_compare(a.reshape(b.shape), b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
-              for mine, theirs in zip(ours.split_optimizer_states(), ref.states) for a, b in zip(mine, theirs)]
-    if states:
-        part["state_after_backward"] = _merge(states)
+    part.update(_after_step(ours, ref.tables, ref.states, w_tol, s_tol))
     part["ok"] = _all_ok(part)
+    return part
+
+
+def _after_step(ours: TritonTBE, weights: list[torch.Tensor], states: list[list[torch.Tensor]], w_tol: tuple,
+                s_tol: tuple) -> dict[str, Any]:
+    """Our weights and optimizer state after one step against another's (per table): the check's
+    ``weights_after_backward`` and, where the optimizer keeps state, ``state_after_backward``."""
+    part = {"weights_after_backward": _merge([_compare(a, b, *w_tol)
+                                              for a, b in zip(ours.split_embedding_weights(), weights)])}
+    # State after one step is a function of each gradient sum, which for a hot row of ~10^4 lookups
+    # can cancel down to far below its terms: its fp32 error (summation order) is relative to the
+    # terms, not to the sum. So the absolute tolerance scales with the tensor's largest value (H200,
+    # 2026-12-01: Adagrad / Adam / LAMB states were off in 4-19 of 2-8 billion elements with a fixed
+    # 1e-6, weights all within theirs).
+    compared = [_compare(a.reshape(b.shape), b, s_tol[0] + 1e-5 * float(b.abs().max()), s_tol[1])
+                for mine, theirs in zip(ours.split_optimizer_states(), states) for a, b in zip(mine, theirs)]
+    if compared:
+        part["state_after_backward"] = _merge(compared)
     return part
 
 
