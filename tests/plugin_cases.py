@@ -339,8 +339,10 @@ def shard_layout(t) -> tuple:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol=ATOL, rtol=RTOL) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     if actual.numel():
-        diff = (actual.double() - expected.double()).abs()
-        bad = diff > atol + rtol * expected.double().abs()
+        a, e = actual.double(), expected.double()
+        diff = (a - e).abs()
+        # Written so NaN fails (NaN <= x is False) on either side; equal infinities pass.
+        bad = ~((diff <= atol + rtol * e.abs()) | (a == e))
         assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.numel()} differ, max |diff| {float(diff.max()):.3e}"
 
 

@@ -2,6 +2,7 @@
 step with both losses, and reports a match."""
 
 import json
+import math
 import os
 import re
 import statistics
@@ -26,6 +27,18 @@ def test_demo_ab_matches(capsys):
     for _, loss_fused, loss_triton, *_ in rows:
         assert abs(float(loss_fused) - float(loss_triton)) < 1e-5, out
     assert "MATCH" in out and "MISMATCH" not in out
+
+
+def test_a_run_gone_nan_or_infinite_is_a_mismatch():
+    """The verdict's differences: NaN (Python's max() would drop it by argument order, and a MAX
+    all-reduce may too) and equal infinities both count as +inf, so MATCH needs finite values."""
+    nan, one, inf = ({"w": torch.tensor(v)} for v in ([float("nan"), 1.0], [0.5, 1.0], [math.inf, 1.0]))
+    assert torchrec_demo._max_rel_diff(nan, one) == math.inf
+    assert torchrec_demo._max_rel_diff(one, nan) == math.inf
+    assert torchrec_demo._max_rel_diff(inf, inf) == math.inf
+    assert torchrec_demo._max_rel_diff(one, {"w": torch.tensor([0.5, 2.0])}) == 1 / 3  # |1 - 2| / (1 + 2)
+    assert torchrec_demo._inf_if_not_finite(float("nan")) == math.inf
+    assert torchrec_demo._inf_if_not_finite(0.25) == 0.25
 
 
 def test_demo_sequence_and_vbe_modes_match(capsys):

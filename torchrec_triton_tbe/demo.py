@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 
 import torch
@@ -52,6 +53,17 @@ OPTIMIZERS = {
 }
 # FBGEMM's CPU TBE (the FBGEMM side on a machine without CUDA) implements only these.
 CPU_FUSED_OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad")
+
+
+def _max_abs_diff(pairs) -> float:
+    """The largest |a - b| over the pairs, NaN if any difference is NaN (Python's max() keeps or drops a
+    NaN by argument order, so a run gone NaN could print a finite difference)."""
+    worst = 0.0
+    for a, b in pairs:
+        if a.numel():
+            d = (a.double() - b.double()).abs()
+            worst = math.nan if (d.isnan().any() or math.isnan(worst)) else max(worst, float(d.max()))
+    return worst
 
 
 def main(argv=None) -> int:
@@ -120,12 +132,11 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
             outs.append(out.detach())
-        d_out = (outs[0] - outs[1]).abs().max().item()
-        d_w = max((a - b).abs().max().item() for a, b in zip(ours.split_embedding_weights(),
-                                                             fbgemm.split_embedding_weights()))
-        d_m = max(((a.float() - b.float()).abs().max().item() for mine, theirs in
-                   zip(ours.split_optimizer_states(), fbgemm.split_optimizer_states()) for a, b in zip(mine, theirs)),
-                  default=0.0)
+        d_out = _max_abs_diff([(outs[0], outs[1])])
+        d_w = _max_abs_diff(zip(ours.split_embedding_weights(), fbgemm.split_embedding_weights()))
+        d_m = _max_abs_diff((a.float(), b.float()) for mine, theirs in
+                            zip(ours.split_optimizer_states(), fbgemm.split_optimizer_states())
+                            for a, b in zip(mine, theirs))
         s = ours.backward_stats()
         print(f"{step:>4} {s['lookups']:>8} {d_out:>10.2e} {d_w:>10.2e} {d_m:>11.2e} {s['runs']:>6} "
               f"{s['short_runs']:>6} {s['long_runs']:>5} {s['long_chunks']:>6} {times[0]:>8.1f} {times[1]:>9.1f}")

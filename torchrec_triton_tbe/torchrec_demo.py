@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import os
 import socket
 import statistics
@@ -537,12 +538,20 @@ def _replicas_identical(dmp) -> bool:
     return same
 
 
+def _inf_if_not_finite(value: float) -> float:
+    """A NaN difference as +inf: Python's max() and a MAX all-reduce would otherwise drop or keep it by
+    argument order, and a run gone NaN must read as a MISMATCH."""
+    return value if math.isfinite(value) else math.inf
+
+
 def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     worst = 0.0
     for key in a:
         x, y = _local(a[key]).double(), _local(b[key]).double()
         if x.numel():
-            worst = max(worst, float(((x - y).abs() / (1.0 + y.abs())).max()))
+            # Equal infinities differ by NaN, and so does NaN on both sides: both count as +inf.
+            rel = torch.nan_to_num((x - y).abs() / (1.0 + y.abs()), nan=math.inf)
+            worst = max(worst, _inf_if_not_finite(float(rel.max())))
     return worst
 
 
@@ -767,7 +776,7 @@ def _run(args, setup: Setup) -> int:
         # Every rank compares its own shards and its own batch's loss; the table shows the worst rank.
         d_w = setup.all_max(_max_rel_diff(_embedding_state(ours), _embedding_state(fused)))
         d_s = setup.all_max(_max_rel_diff(_optimizer_state(ours), _optimizer_state(fused)))
-        d_l = setup.all_max(abs(loss_o - loss_f) / (1.0 + abs(loss_f)))
+        d_l = setup.all_max(_inf_if_not_finite(abs(loss_o - loss_f) / (1.0 + abs(loss_f))))
         ms_f, ms_o = setup.all_max(ms_f), setup.all_max(ms_o)
         worst = max(worst, d_w, d_s, d_l)
         rows.append((ms_f, ms_o))
