@@ -17,8 +17,10 @@ from torchrec_triton_tbe._fbgemm import (
     EmbOptimType,
     PoolingMode,
     SparseType,
+    WeightDecayMode,
 )
 from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops.spec import Optim, OptimizerSpec, WeightDecay
 from torchrec_triton_tbe.reference import ReferenceTBE
 
 logging.getLogger("fbgemm_gpu").setLevel(logging.ERROR)
@@ -50,7 +52,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: 
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     assert not torch.isnan(a).any(), f"{what}: NaN in result"
-    bad = (a - e).abs() > atol + rtol * e.abs()
+    assert not torch.isnan(e).any(), f"{what}: NaN in the expected values"
+    bad = ~(((a - e).abs() <= atol + rtol * e.abs()) | (a == e))
     if bad.any():
         idx = bad.nonzero()[:5].tolist()
         worst = [(i, a[tuple(i)].item(), e[tuple(i)].item()) for i in idx]
@@ -98,6 +101,53 @@ def skewed_batch(
     return Batch(indices.to(index_dtype), offsets.to(index_dtype), psw, B)
 
 
+# What FBGEMM's TBE runs for each EmbOptimType, written out here (not read from compat.OPTIMIZERS) so a
+# wrong reading of FBGEMM's keywords by the module fails the reference comparisons instead of being copied
+# into the oracle.
+_EXPECTED_OPTIM = {
+    EmbOptimType.EXACT_SGD: Optim.EXACT_SGD,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: Optim.EXACT_ROWWISE_ADAGRAD,
+    EmbOptimType.EXACT_ADAGRAD: Optim.EXACT_ADAGRAD,
+    EmbOptimType.ADAM: Optim.ADAM,
+    EmbOptimType.PARTIAL_ROWWISE_ADAM: Optim.PARTIAL_ROWWISE_ADAM,
+    EmbOptimType.LAMB: Optim.LAMB,
+    EmbOptimType.PARTIAL_ROWWISE_LAMB: Optim.PARTIAL_ROWWISE_LAMB,
+    EmbOptimType.LARS_SGD: Optim.LARS_SGD,
+}
+# FBGEMM's row-wise Adagrad is its only optimizer with selectable weight decay modes; the others apply
+# weight_decay one fixed way (or not at all).
+_EXPECTED_WD = {WeightDecayMode.NONE: WeightDecay.NONE, WeightDecayMode.L2: WeightDecay.L2,
+                WeightDecayMode.DECOUPLE: WeightDecay.DECOUPLE}
+_EXPECTED_STATE_DTYPE = {SparseType.FP32: torch.float32, SparseType.BF16: torch.bfloat16}
+
+
+def expected_optimizer_spec(**fbgemm_kwargs) -> OptimizerSpec:
+    """The update FBGEMM's module applies for these constructor keywords (its defaults where absent), as
+    the OptimizerSpec the reference runs: the tests' independent reading of FBGEMM's keywords."""
+    optim = _EXPECTED_OPTIM[fbgemm_kwargs.get("optimizer", EmbOptimType.EXACT_SGD)]
+    rowwise_adagrad = optim == Optim.EXACT_ROWWISE_ADAGRAD
+    mode = WeightDecayMode(fbgemm_kwargs.get("weight_decay_mode", WeightDecayMode.NONE))
+    extra = fbgemm_kwargs.get("extra_optimizer_config")
+    dtypes = {name: _EXPECTED_STATE_DTYPE[t] for name, t in (fbgemm_kwargs.get("optimizer_state_dtypes") or {}).items()}
+    return OptimizerSpec(
+        optim=optim,
+        weight_decay_mode=_EXPECTED_WD[mode] if rowwise_adagrad else WeightDecay.NONE,
+        max_norm=rowwise_adagrad and float(fbgemm_kwargs.get("max_norm", 0.0)) > 0.0,
+        rowwise_bias_correction=bool(getattr(extra, "use_rowwise_bias_correction", False)),
+        gradient_clipping=bool(fbgemm_kwargs.get("gradient_clipping", False)),
+        max_gradient=float(fbgemm_kwargs.get("max_gradient", 1.0)),
+        momentum1_dtype=dtypes.get("momentum1", torch.float32),
+        momentum2_dtype=dtypes.get("momentum2", torch.float32),
+    )
+
+
+def checked_optimizer_spec(module, **fbgemm_kwargs) -> OptimizerSpec:
+    """expected_optimizer_spec, after asserting the module read the same keywords the same way."""
+    spec = expected_optimizer_spec(**fbgemm_kwargs)
+    assert module.spec.optimizer == spec, f"the module runs {module.spec.optimizer}, FBGEMM's keywords say {spec}"
+    return spec
+
+
 def make_pair(
     specs: Sequence[tuple[int, int]],
     feature_table_map: Optional[Sequence[int]] = None,
@@ -135,7 +185,7 @@ def make_pair(
             ftm,
             mean=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.MEAN,
             nobag=kwargs.get("pooling_mode", PoolingMode.SUM) == PoolingMode.NONE,
-            optimizer=ours.spec.optimizer,
+            optimizer=checked_optimizer_spec(ours, **kwargs),
             output_dtype=DTYPE[kwargs.get("output_dtype", SparseType.FP32)],
             **hyper,
         )

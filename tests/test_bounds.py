@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tbe_cases import BoundsCheckMode, EmbOptimType, assert_close, make_pair
+from tbe_cases import BoundsCheckMode, EmbOptimType, assert_close, checked_optimizer_spec, make_pair
 from torchrec_triton_tbe import TritonTBE
 
 SPECS = [(10, 4), (6, 8)]
@@ -303,7 +303,8 @@ def test_ids_of_a_table_of_zero_rows_read_zeros_and_update_nothing(mode, fused, 
     empty_ids = [0, 1, 5, 6, 10, 11, 12]  # positions of ids in tables 0, 2 and 4
     tables = [w.clone() if r else torch.zeros(1, D) for w, r in zip(m.split_embedding_weights(), rows)]
     ref = ReferenceTBE(tables, list(range(5)), mean=pooling == "mean", nobag=pooling == "none",
-                       optimizer=m.spec.optimizer, learning_rate=0.5, eps=0.1)
+                       optimizer=checked_optimizer_spec(m, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD),
+                       learning_rate=0.5, eps=0.1)
     ref_idx = indices.clone()
     ref_idx[empty_ids] = 0
     out = m(indices, offsets)

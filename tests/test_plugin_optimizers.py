@@ -18,6 +18,7 @@ import torch
 
 import plugin_cases as pc
 from plugin_cases import Case, EmbOptimType, TritonTBESharder, Variant, use_triton_tbe
+from tbe_cases import checked_optimizer_spec
 from torchrec_triton_tbe.reference import ReferenceTBE
 
 ADAGRAD = EmbOptimType.EXACT_ADAGRAD
@@ -67,7 +68,7 @@ def _train_both(optimizer, sharding, steps=3):
     dmp = pc.make_dmp(plan, TritonTBESharder(fused_params=pc.fused_params(optimizer, **extra)), SUM_ONLY)
     init = pc.reference_state(SUM_ONLY)
     tables = [init[f"ebc.embedding_bags.{t.name}.weight"] for t in SUM_ONLY.tables]
-    spec = pc.kernels(dmp)[0].emb_module.spec.optimizer
+    spec = checked_optimizer_spec(pc.kernels(dmp)[0].emb_module, **pc.fused_params(optimizer, **extra))
     hyper = {k: v for k, v in extra.items() if k != "optimizer"}
     ref = ReferenceTBE(tables, [0, 1, 1, 2], mean=False, optimizer=spec, learning_rate=pc.LR, eps=0.05, **hyper)
     for step in range(steps):

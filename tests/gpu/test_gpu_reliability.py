@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gpu_cases import DEV, FTM, SPECS, TOL, batch, pair
+from tbe_cases import checked_optimizer_spec
 
 from torchrec_triton_tbe._fbgemm import EmbOptimType, PoolingMode, SparseType
 from torchrec_triton_tbe.config import load_config
@@ -233,7 +234,7 @@ def test_wide_rows_match_the_reference(D, optimizer):
     torch.manual_seed(0)
     m.init_embedding_weights_uniform(-0.5, 0.5)
     ref = ReferenceTBE([w.cpu() for w in m.split_embedding_weights()], m.feature_table_map, mean=False,
-                       optimizer=m.spec.optimizer, learning_rate=0.05, eps=0.01)
+                       optimizer=checked_optimizer_spec(m, optimizer=optimizer), learning_rate=0.05, eps=0.01)
     _reference_check(m, ref, steps=2, nb=32, max_len=6, tol=dict(atol=1e-4, rtol=1e-4))
 
 
