@@ -197,27 +197,33 @@ def test_feature_requires_grad_masks_psw_gradient():
 
 
 def test_stochastic_rounding_is_unbiased_and_close():
-    # fp16 weights with SR: every row within one fp16 ulp of its fp32 update, and the mean of
-    # (stored - exact) over many elements near zero (round-to-nearest would show no spread at all).
+    # fp16 weights with SR, every element at 1.5 and an SGD step of 0.61 fp16 ulp (2**-10 in [1, 2)):
+    # each stored value must be one of the two neighbours of the exact 1.5 - 0.61 ulp, the lower one
+    # with probability 0.61 (round-to-nearest would store it every time), and the mean error ~ 0.
     # Row 0 is looked up 12 times (a long run), the others once (short runs).
-    rows, D, lr = 64, 16, 1e-3
-    ours, ref = make_pair([(rows, D)], oracle="reference", weights_precision=SparseType.FP16,
-                          stochastic_rounding=True, learning_rate=lr)
+    rows, D, lr, ulp, frac = 256, 16, 1e-3, 2.0**-10, 0.61
+    g_step = frac * ulp / lr
+    ours, _ = make_pair([(rows, D)], oracle="reference", weights_precision=SparseType.FP16,
+                        stochastic_rounding=True, learning_rate=lr)
     ours.collect_backward_stats = True
+    ours.split_embedding_weights()[0].fill_(1.5)
     indices = torch.cat([torch.zeros(11, dtype=torch.int64), torch.arange(rows)])
     offsets = torch.arange(indices.numel() + 1)
-    grad = torch.full((indices.numel(), D), 0.3)
-    before = ours.split_embedding_weights()[0].float().clone()
-    ours(indices, offsets).backward(grad)
+    ours(indices, offsets).backward(torch.full((indices.numel(), D), g_step))
     assert_both_paths(ours.backward_stats())
-    count = torch.bincount(indices, minlength=rows).float()
-    exact = before - lr * 0.3 * count[:, None]
-    stored = ours.split_embedding_weights()[0].float()
-    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp(min=2**-14) * 2
-    err = stored - exact
-    assert (err.abs() <= ulp).all()
-    assert err.abs().max() > 0
-    assert abs(float((err / ulp).mean())) < 0.1
+    stored = ours.split_embedding_weights()[0].double()
+    # The long run's row: 12 steps of 0.61 ulp = 7.32 ulp, between 1.5 - 8 ulp and 1.5 - 7 ulp.
+    assert set(stored[0].tolist()) <= {1.5 - 8 * ulp, 1.5 - 7 * ulp}, stored[0]
+    once = stored[1:]
+    low = once == 1.5 - ulp
+    assert (low | (once == 1.5)).all(), "a value that is neither neighbour of the exact update"
+    n = low.numel()
+    # Binomial(n, 0.61): the lower neighbour's share within 5 standard deviations (0.038 for n = 4080).
+    sigma = (frac * (1 - frac) / n) ** 0.5
+    share = float(low.double().mean())
+    assert abs(share - frac) < 5 * sigma, (share, frac, sigma)
+    mean_err_ulps = float(((once - (1.5 - frac * ulp)) / ulp).mean())
+    assert abs(mean_err_ulps) < 5 * sigma, mean_err_ulps
 
 
 def test_persistent_grid_fills_whole_waves(monkeypatch):
