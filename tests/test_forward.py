@@ -122,6 +122,13 @@ WIDE_SPECS = [(40, 32), (30, 20), (25, 64), (9, 12), (11, 6)]  # BLOCK_D 32, 32 
 WIDE_FTM = [0, 1, 2, 3, 4, 2]
 
 
+def assert_baseline_matches_reference(ref, x, got, weights, what):
+    """The sequential baseline these knob tests compare with, against the reference itself: a bug shared
+    by every knob setting would otherwise pass them."""
+    want = ref.output(ref.forward(x.indices, x.offsets, x.per_sample_weights)).detach()
+    assert_close(got, want, f"{what}: the sequential baseline vs the reference", **tolerance(DTYPE[weights]))
+
+
 @pytest.mark.parametrize(
     "pooling,weighted,weights,index_dtype",
     [
@@ -134,7 +141,7 @@ WIDE_FTM = [0, 1, 2, 3, 4, 2]
 def test_bag_lanes_match_sequential(pooling, weighted, weights, index_dtype):
     kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
               embedding_table_offset_type=index_dtype)
-    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    seq, ref = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
     g = torch.Generator().manual_seed(5)
     rows = [r for r, _ in WIDE_SPECS]
     batches = [  # B not a multiple of the lanes; one-id bags; long bags
@@ -143,6 +150,8 @@ def test_bag_lanes_match_sequential(pooling, weighted, weights, index_dtype):
     ]
     with torch.no_grad():
         expected = [seq(x.indices, x.offsets, x.per_sample_weights) for x in batches]
+    for x, e in zip(batches, expected):
+        assert_baseline_matches_reference(ref, x, e, weights, f"B={x.B}")
     for lanes, gather, bags in LANE_KNOBS:
         cfg = with_lanes(lanes, gather=KnobTable(gather), bags_per_program=bags)
         ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=cfg, **kw)
@@ -206,7 +215,7 @@ def test_short_bag_lanes_match_sequential(B):
     # Bags of 0-1 ids (mean 1): GATHER shrinks to 1 and LANES widens from 2 to 8 (B = 13: a partial last
     # group), in the bucket launches and in the one launch (the interpreter's grouped_max_batch is 4).
     kw = dict(pooling_mode=PoolingMode.MEAN, weights_precision=SparseType.FP16)
-    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    seq, ref = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
     cfg = with_lanes(2, gather=KnobTable(4), short_bag_max_lanes=8)
     ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=cfg, **kw)
     x = skewed_batch([r for r, _ in WIDE_SPECS], WIDE_FTM, B=B, max_L=1, generator=torch.Generator().manual_seed(3),
@@ -214,6 +223,7 @@ def test_short_bag_lanes_match_sequential(B):
     with torch.no_grad():
         out = ours(x.indices, x.offsets, x.per_sample_weights)
         expected = seq(x.indices, x.offsets, x.per_sample_weights)
+    assert_baseline_matches_reference(ref, x, expected, kw["weights_precision"], f"short bags, B={B}")
     assert_close(out, expected, f"short-bag lanes vs sequential, B={B}", **tolerance(torch.float32))
     (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward"]
     assert {(launch[3]["LANES"], launch[3]["GATHER"]) for launch in plan} == {(8, 1)}
@@ -250,15 +260,17 @@ def test_small_batch_knobs_apply_at_small_batches_for_every_weight_width():
 def test_small_batch_knobs_match_sequential():
     """The small-batch tables only regroup the sums: same output as the sequential path."""
     kw = dict(pooling_mode=PoolingMode.MEAN, weights_precision=SparseType.FP16)
-    seq, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
+    seq, ref = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(1), **kw)
     small = INTERPRETER.replace_forward(small_batch=8, bags_per_program_small=1, gather_small=KnobTable(16),
                                         bag_lanes_small=KnobTable(4))
     ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=small, **kw)
     g = torch.Generator().manual_seed(9)
     x = skewed_batch([r for r, _ in WIDE_SPECS], WIDE_FTM, B=7, max_L=20, generator=g, weighted=True)
     with torch.no_grad():
-        assert_close(ours(x.indices, x.offsets, x.per_sample_weights), seq(x.indices, x.offsets, x.per_sample_weights),
+        expected = seq(x.indices, x.offsets, x.per_sample_weights)
+        assert_close(ours(x.indices, x.offsets, x.per_sample_weights), expected,
                      "small-batch knobs vs sequential", **tolerance(torch.float32))
+    assert_baseline_matches_reference(ref, x, expected, kw["weights_precision"], "small-batch knobs")
     plans = [p for key, p in ours._spec.launch_plans.items() if key[0] == "forward"]
     assert plans and all(cx["LANES"] == 4 and cx["BAGS"] == 1 for p in plans for _, _, _, cx, _, _ in p)
 
@@ -315,7 +327,7 @@ GROUPED_CASES = [
 def test_grouped_forward_matches_per_bucket(pooling, weighted, weights, index_dtype, lanes):
     kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
               embedding_table_offset_type=index_dtype)
-    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
+    base, ref = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
     ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(lanes), **kw)
     g = torch.Generator().manual_seed(11)
     rows = [r for r, _ in WIDE_SPECS]
@@ -326,6 +338,7 @@ def test_grouped_forward_matches_per_bucket(pooling, weighted, weights, index_dt
             expected = base(x.indices, x.offsets, x.per_sample_weights)
         # The same rows and steps per bag and column: only the tile's width differs.
         assert_close(out, expected, f"one launch vs per bucket, B={B}", **tolerance(torch.float32))
+        assert_baseline_matches_reference(ref, x, expected, weights, f"per bucket, B={B}")
 
 
 def test_grouped_forward_trains_like_fbgemm():
@@ -458,7 +471,7 @@ def test_narrow_tiles_match_per_bucket(pooling, weighted, weights, index_dtype, 
     # same output as the per-bucket launches up to fp32 rounding, B not a multiple of any lane count.
     kw = dict(pooling_mode=pooling, weights_precision=weights, embedding_table_index_type=index_dtype,
               embedding_table_offset_type=index_dtype)
-    base, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
+    base, ref = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=with_lanes(lanes), **kw)
     table = KnobTable(1, ((8, narrow_lanes[0]), (16, narrow_lanes[1])))
     ours, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=narrow(lanes, narrow_lanes=table),
                         **kw)
@@ -470,6 +483,7 @@ def test_narrow_tiles_match_per_bucket(pooling, weighted, weights, index_dtype, 
             out = ours(x.indices, x.offsets, x.per_sample_weights)
             expected = base(x.indices, x.offsets, x.per_sample_weights)
         assert_close(out, expected, f"narrow tiles vs per bucket, B={B}", **tolerance(torch.float32))
+        assert_baseline_matches_reference(ref, x, expected, weights, f"per bucket, B={B}")
     (plan,) = [p for key, p in ours.spec.launch_plans.items() if key[0] == "forward" and key[1] == 5]
     assert plan[0][3]["NARROW"] == 8  # the batches above took the one launch with its narrow tiles
 
