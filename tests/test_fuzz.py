@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tbe_cases import BoundsCheckMode, EmbOptimType, PoolingMode, assert_close, make_pair
+from tbe_cases import BoundsCheckMode, EmbOptimType, PoolingMode, assert_close, expected_warnings, make_pair
 
 SPECS = [(10, 4), (6, 8)]
 FTM = [0, 1, 1]
@@ -166,15 +166,6 @@ def fbgemm_repair(idx: torch.Tensor, off: torch.Tensor, psw, mode: BoundsCheckMo
     torch.ops.fbgemm.bounds_check_indices(torch.tensor(ROWS, dtype=torch.int64), fb_idx, fb_off, int(mode),
                                           warning, psw)
     return fb_idx, fb_off, int(warning)
-
-
-def expected_warnings(idx: torch.Tensor, off: torch.Tensor, fb_idx: torch.Tensor) -> int:
-    """The documented WARNING count: bad bags (by the original offsets), a wrong last offset, and the
-    ids the repair changed. (FBGEMM counts some of these differently; it is nonzero exactly when this is.)"""
-    N = idx.numel()
-    start, end = off[:-1].long(), off[1:].long()
-    bags = int(((start < 0) | (start > end) | (end > N)).sum())
-    return bags + int(int(off[-1]) != N) + int((fb_idx != idx.long()).sum())
 
 
 @settings(max_examples=2500, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
