@@ -29,7 +29,9 @@ def everything(m: TritonTBE) -> list[torch.Tensor]:
     return [w.clone() for w in m.split_embedding_weights()] + [s.clone() for t in m.split_optimizer_states() for s in t]
 
 
-def train(cfg, optimizer, steps=4, hoist=False, weighted=True, deterministic=False, seed=0):
+def train(cfg, optimizer, steps=4, hoist=False, weighted=True, deterministic=False, seed=0, replays=None):
+    """The weights, states and psw gradients after ``steps`` steps; ``replays`` (a list): gets the number
+    of backward graph replays appended."""
     m = TritonTBE(SPECS, feature_table_map=FTM, device=DEV, optimizer=optimizer, kernel_config=cfg,
                   hoist_transpose=hoist, learning_rate=0.05, eps=0.01, weights_precision=SparseType.FP32)
     torch.manual_seed(seed)
@@ -46,6 +48,8 @@ def train(cfg, optimizer, steps=4, hoist=False, weighted=True, deterministic=Fal
             if psw is not None:
                 grads.append(psw.grad.clone())
     torch.cuda.synchronize()
+    if replays is not None:
+        replays.append(m._backward_graphs.replays)
     return everything(m) + grads
 
 
@@ -93,9 +97,16 @@ def _configs():
 @pytest.mark.parametrize("optimizer", [RWA, ADAM])
 def test_bitwise_identical_across_runs_and_schedules(optimizer):
     base, variants = _configs()
-    expected = train(base, optimizer)
+    replays = []
+    expected = train(base, optimizer, replays=replays)
+    # Steps 1-3 repeat one batch shape: step 2 captures and replays, step 3 replays. Without replays
+    # here, graphs_off would compare eager with eager.
+    assert replays == [2], replays
     for name, (cfg, kw) in variants.items():
-        got = train(cfg, optimizer, **kw)
+        replays = []
+        got = train(cfg, optimizer, replays=replays, **kw)
+        if cfg.backward.graph_max_lookups == 0:
+            assert replays == [0], (name, replays)
         for i, (a, b) in enumerate(zip(expected, got)):
             assert torch.equal(a, b), f"{name}: tensor {i} differs (max |diff| {(a - b).abs().max().item():.3e})"
 
