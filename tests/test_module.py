@@ -53,9 +53,21 @@ def test_result_changing_unsupported_keywords_raise(kwargs, name):
 
 
 def test_ignored_keywords_are_accepted():
+    """Keywords of FBGEMM's caching and placement (and optimizer keywords SGD does not read) change
+    nothing: outputs and the SGD step equal those of a module built without them."""
     m = TritonTBE(SPECS, device="cpu", cache_load_factor=0.5, enforce_hbm=True, prefetch_pipeline=True, momentum=0.5,
                   beta1=0.8, uvm_non_rowwise_momentum=True, embedding_shard_info=[(10, 4, 0, 0), (6, 8, 0, 0)])
-    assert m(torch.tensor([1, 2]), torch.tensor([0, 1, 2])).shape == (1, 12)
+    plain = TritonTBE(SPECS, device="cpu")
+    for w, v in zip(plain.split_embedding_weights(), m.split_embedding_weights()):
+        v.copy_(w)
+    indices, offsets = torch.tensor([1, 2, 1]), torch.tensor([0, 2, 3])
+    outs = [module(indices, offsets) for module in (m, plain)]
+    assert outs[0].shape == (1, 12) and torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.backward(torch.ones_like(out))
+    for w, v in zip(plain.split_embedding_weights(), m.split_embedding_weights()):
+        assert torch.equal(v, w)
+    assert not torch.equal(plain.split_embedding_weights()[0][1], torch.zeros(4))  # initialised and stepped
 
 
 def test_four_tuple_specs_and_placement():

@@ -234,7 +234,7 @@ def test_every_fbgemm_keyword_has_exactly_one_policy():
     [
         dict(extra_optimizer_config=UserEnabledConfigDefinition()),  # every feature off, as FBGEMM's code passes it
         dict(global_weight_decay=GlobalWeightDecayDefinition()),  # read only with DECOUPLE_GLOBAL
-        dict(optimizer_state_dtypes={"momentum1": SparseType.FP32}),
+        dict(optimizer=EmbOptimType.PARTIAL_ROWWISE_ADAM, optimizer_state_dtypes={"momentum1": SparseType.FP32}),
         dict(optimizer=EmbOptimType.EXACT_SGD, weight_decay=0.1, max_norm=1.0),  # FBGEMM's SGD reads neither
         dict(optimizer=EmbOptimType.ADAM, max_norm=1.0, weight_decay_mode=WeightDecayMode.L2),  # nor does Adam
         dict(optimizer=RWA, weight_decay=0.1),  # weight_decay_mode NONE: FBGEMM applies no decay
@@ -242,17 +242,23 @@ def test_every_fbgemm_keyword_has_exactly_one_policy():
     ],
 )
 def test_keywords_that_change_nothing_are_accepted(kwargs):
-    """Each of these gives the results of the same module without it (in FBGEMM too)."""
+    """Each of these gives the results of the same module without it, and FBGEMM's CPU TBE given it
+    agrees (the reference where FBGEMM's CPU TBE lacks the optimizer: Adam)."""
     base = {k: v for k, v in kwargs.items() if k == "optimizer"}
-    a, _ = make_pair(SPECS, FTM, oracle="reference", seed=1, learning_rate=0.3, **kwargs)
+    fbgemm_cpu = kwargs.get("optimizer", EmbOptimType.EXACT_SGD) in (EmbOptimType.EXACT_SGD, RWA)
+    a, other = make_pair(SPECS, FTM, oracle="fbgemm" if fbgemm_cpu else "reference", seed=1, learning_rate=0.3,
+                         **kwargs)
     b, _ = make_pair(SPECS, FTM, oracle="reference", seed=1, learning_rate=0.3, **base)
     g = torch.Generator().manual_seed(2)
     batch = skewed_batch([r for r, _ in SPECS], FTM, B=4, max_L=4, generator=g)
     grad = torch.randn(4, sum(SPECS[k][1] for k in FTM), generator=g)
     for m in (a, b):
         m(batch.indices, batch.offsets).backward(grad)
-    for x, y in zip(a.split_embedding_weights(), b.split_embedding_weights()):
-        assert torch.equal(x, y)
+    oracle_step(other, batch, grad)
+    expected = other.split_embedding_weights() if fbgemm_cpu else other.tables
+    for t, (x, y, e) in enumerate(zip(a.split_embedding_weights(), b.split_embedding_weights(), expected)):
+        assert torch.equal(x, y), f"table {t}: the keywords changed the result"
+        assert_close(x, e, f"table {t} vs {'FBGEMM' if fbgemm_cpu else 'the reference'}", atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -273,8 +279,11 @@ def test_keywords_that_change_nothing_are_accepted(kwargs):
          NotImplementedError, "use_writeback_bwd_prehook"),
         (dict(optimizer=RWA, extra_optimizer_config=UserEnabledConfigDefinition(use_rowwise_bias_correction=True)),
          ValueError, "use_rowwise_bias_correction"),
+        # FBGEMM asserts optimizer_state_dtypes is None for every optimizer but PARTIAL_ROWWISE_ADAM (and ensemble).
         (dict(optimizer=EmbOptimType.ADAM, optimizer_state_dtypes={"momentum1": SparseType.BF16}),
-         NotImplementedError, "optimizer_state_dtypes"),
+         ValueError, "optimizer_state_dtypes with optimizer=ADAM"),
+        (dict(optimizer_state_dtypes={"momentum1": SparseType.FP32}), ValueError, "only with PARTIAL_ROWWISE_ADAM"),
+        (dict(optimizer=RWA, optimizer_state_dtypes={}), ValueError, "optimizer=EXACT_ROWWISE_ADAGRAD"),
         (dict(optimizer=EmbOptimType.PARTIAL_ROWWISE_ADAM, optimizer_state_dtypes={"momentum2": SparseType.FP16}),
          NotImplementedError, "momentum2=FP16"),
     ],

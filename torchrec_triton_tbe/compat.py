@@ -149,6 +149,10 @@ def optimizer_spec(given: dict) -> tuple[OptimizerSpec, dict[str, float]]:
         )
 
     dtypes = {"momentum1": torch.float32, "momentum2": torch.float32}
+    if given["optimizer_state_dtypes"] is not None and optim != Optim.PARTIAL_ROWWISE_ADAM:
+        # FBGEMM asserts this for any dict, even an empty one or one of fp32 entries.
+        raise ValueError(f"TritonTBE: optimizer_state_dtypes with optimizer={optim.name}: FBGEMM takes it only with "
+                         "PARTIAL_ROWWISE_ADAM (or ENSEMBLE_ROWWISE_ADAGRAD, not supported here); pass None")
     for name, sparse_type in (given["optimizer_state_dtypes"] or {}).items():
         if name not in dtypes or sparse_type == SparseType.FP32:
             continue  # FBGEMM reads momentum1 / momentum2 only; fp32 is every state's default
