@@ -168,7 +168,7 @@ def test_a_backward_applies_the_hyper_parameters_of_its_forward(optimizer, chang
             out = m(indices, offsets)
             m.update_hyper_parameters(change)
             out.backward(grad)
-        assert ours.get_learning_rate() == pytest.approx(fb.get_learning_rate())
+        assert ours.get_learning_rate() == fb.get_learning_rate()  # both the fp32-rounded value
         for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
             assert_close(a, b, f"{optimizer.name} step {step} after {change}", atol=1e-6, rtol=1e-5)
 

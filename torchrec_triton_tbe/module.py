@@ -593,7 +593,9 @@ class TritonTBE(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def get_learning_rate(self) -> float:
-        return self._hyper_host["lr"]
+        # FBGEMM returns its fp32 learning_rate_tensor's item(): the value rounded to fp32 (0.05 reads back
+        # 0.05000000074505806), and TorchRec's fused optimizer shows it in its param_groups.
+        return float(torch.tensor(self._hyper_host["lr"], dtype=torch.float32))
 
     def set_learning_rate(self, lr: float) -> None:
         self.update_hyper_parameters({"lr": lr})
