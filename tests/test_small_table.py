@@ -257,7 +257,7 @@ def test_switching_the_path_on_mid_training_keeps_training():
     assert not any(b.small for b in switched.spec.plan.buckets)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(rows=st.lists(st.integers(1, 64), min_size=1, max_size=3), dim=st.sampled_from([3, 4, 12, 32]),
        max_L=st.integers(0, 40), B=st.integers(1, 24), mean=st.booleans(), weighted=st.booleans())
 def test_small_forward_equals_generic_forward(rows, dim, max_L, B, mean, weighted):
