@@ -10,12 +10,14 @@ row-wise Adagrad) and, for every optimizer configuration, like the reference."""
 import os
 import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tbe_cases import (DTYPE, EmbOptimType, PoolingMode, SparseType, assert_close, make_pair, oracle_step, skewed_batch,
                        tolerance)
+from test_optimizers import VARIANTS
 from torchrec_triton_tbe.config import KnobTable, load_named
 
 
@@ -159,18 +161,20 @@ def test_torchrec_layouts_with_any_knobs_train_like_fbgemm(layout, cfg, optimize
 
 
 @st.composite
-def optimizer_cases(draw):
+def optimizer_cases(draw, variant=None, skip=0):
     """A TorchRec layout (sequence tables share one dim), one of tests/test_optimizers.py's optimizer
-    configurations, a weight precision and an id dtype."""
-    from test_optimizers import VARIANTS
-
+    configurations (``variant``: that one), a weight precision and an id dtype. ``skip``: values drawn
+    and dropped first, so tests that differ only in the variant draw different layouts from the same
+    derandomized stream (hypothesis's first example is the simplest one whatever the skip)."""
+    for _ in range(skip):
+        draw(st.integers(0, 2**16))
     nobag = draw(st.booleans()) and draw(st.booleans())
     dim = draw(st.sampled_from([4, 8, 20, 64, 132]))
     num_tables = draw(st.integers(1, 4))
     specs = [(draw(st.sampled_from([1, 3, 16, 33, 65, 200])),
               dim if nobag else draw(st.sampled_from([4, 8, 12, 20, 36, 64, 96, 132, 256]))) for _ in range(num_tables)]
     ftm = [t for t in range(num_tables) for _ in range(draw(st.integers(1, 2)))]
-    name = draw(st.sampled_from(sorted(VARIANTS)))
+    name = variant if variant is not None else draw(st.sampled_from(sorted(VARIANTS)))
     pooling = PoolingMode.NONE if nobag else draw(st.sampled_from([PoolingMode.SUM, PoolingMode.MEAN]))
     return dict(specs=specs, ftm=ftm, variant=VARIANTS[name], pooling=pooling,
                 weighted=not nobag and draw(st.booleans()),
@@ -189,6 +193,20 @@ def test_every_optimizer_on_torchrec_layouts_with_any_knobs_trains_like_the_refe
     """Three steps of fresh skewed batches (fixed or variable batch per feature), every optimizer
     configuration the module supports, against the pure-PyTorch reference at the tolerance of the
     weights' and states' precision."""
+    _trains_like_the_reference(case, cfg)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_each_optimizer_on_a_drawn_layout_trains_like_the_reference(variant, data):
+    """The test above with the optimizer configuration fixed, so CI's few examples reach every one:
+    the simplest layout, then one drawn (the variant's own)."""
+    case = data.draw(optimizer_cases(variant, skip=sorted(VARIANTS).index(variant)))
+    _trains_like_the_reference(case, data.draw(kernel_knobs()))
+
+
+def _trains_like_the_reference(case, cfg):
     from test_backward import _state_dtypes, assert_same_state
 
     optimizer, extra, _ = case["variant"]
