@@ -238,6 +238,15 @@ def assert_both_paths(stats: dict) -> None:
     )
 
 
+def expected_warnings(idx: torch.Tensor, off: torch.Tensor, fb_idx: torch.Tensor) -> int:
+    """The documented WARNING count: bad bags (by the original offsets), a wrong last offset, and the
+    ids the repair changed. (FBGEMM counts some of these differently; it is nonzero exactly when this is.)"""
+    N = idx.numel()
+    start, end = off[:-1].long(), off[1:].long()
+    bags = int(((start < 0) | (start > end) | (end > N)).sum())
+    return bags + int(int(off[-1]) != N) + int((fb_idx != idx.long()).sum())
+
+
 __all__ = [
     "BoundsCheckMode",
     "EmbOptimType",
@@ -247,11 +256,3 @@ __all__ = [
     "expected_warnings",
 ]
 
-
-def expected_warnings(idx: torch.Tensor, off: torch.Tensor, fb_idx: torch.Tensor) -> int:
-    """The documented WARNING count: bad bags (by the original offsets), a wrong last offset, and the
-    ids the repair changed. (FBGEMM counts some of these differently; it is nonzero exactly when this is.)"""
-    N = idx.numel()
-    start, end = off[:-1].long(), off[1:].long()
-    bags = int(((start < 0) | (start > end) | (end > N)).sum())
-    return bags + int(int(off[-1]) != N) + int((fb_idx != idx.long()).sum())
