@@ -550,8 +550,8 @@ def _max_rel_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> flo
         x, y = _local(a[key]).double(), _local(b[key]).double()
         if x.numel():
             # Equal infinities differ by NaN, and so does NaN on both sides: both count as +inf.
-            rel = torch.nan_to_num((x - y).abs() / (1.0 + y.abs()), nan=math.inf)
-            worst = max(worst, _inf_if_not_finite(float(rel.max())))
+            rel = torch.nan_to_num((x - y).abs() / (1.0 + y.abs()), nan=math.inf, posinf=math.inf)
+            worst = max(worst, float(rel.max()))
     return worst
 
 
