@@ -323,3 +323,59 @@ def test_the_offsets_checks_last_program_repairs_after_every_program_counted(ind
         assert torch.equal(offsets, want), f"batch {trial}: offsets not repaired as FBGEMM's"
         assert int(m.bounds_check_warning) == expected_count, f"batch {trial}"
         assert m._bounds_scratch.tolist() == [0, 0], f"batch {trial}: scratch left non-zero"
+
+
+def _bad_id_batches(index_dtype):
+    """(name, ids, offsets) of bad batches whose repair FBGEMM's CUDA bounds_check_indices (V1, what its
+    TBE runs by default) defines the same way as its CPU op: ids out of range with valid offsets; one
+    bag whose start is moved up to the next bag's end (the only bad bag); a short last offset still at
+    or after the last bag's start. Its per-bag offsets repair does not cascade and races
+    between neighbouring bad bags (docs/reliability.md §1), so chains of bad bags are left out."""
+    idx, off, _ = batch(7, index_dtype=index_dtype)
+    N = idx.numel()
+    ids = idx.clone()
+    for pos, value in ((0, -3), (N // 3, 20_000), (N // 2, 5_000 + 1), (N - 1, 10**6)):
+        ids[pos] = value
+    yield "bad ids", ids, off.clone()
+    # The bag's start moves up to the next bag's end: only this bag is bad, and the repair (its end
+    # raised to its start) leaves the next bag valid whichever offset it read.
+    bag = next(b for b in range(len(off) // 2, len(off) - 2) if off[b + 1] < off[b + 2])
+    dec = off.clone()
+    dec[bag] = off[bag + 2]
+    yield "a bag whose start passes its end", idx.clone(), dec
+    last = len(off) - 2
+    short = off.clone()
+    short[-1] = max(int(off[last]), N - 3)  # the batch's last bag is not empty (asserted)
+    assert short[-1] < N
+    yield "a short last offset", idx.clone(), short
+
+
+@pytest.mark.parametrize("mode", ["WARNING", "IGNORE"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_repair_matches_fbgemm_cuda_where_its_repair_is_defined(mode, index_dtype):
+    """The CPU tests hold the repair to FBGEMM's CPU bounds_check_indices; a TorchRec user on the GPU
+    compares with FBGEMM's CUDA TBE. Both modules in the same mode get each bad batch of
+    _bad_id_batches: ids and offsets repaired bitwise alike, forwards and the weights after the backward
+    of the repaired batch close, and under WARNING both counters nonzero."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode
+
+    bcm = getattr(BoundsCheckMode, mode)
+    for name, ids, off in _bad_id_batches(index_dtype):
+        ours, fb = pair(optimizer=RWA, learning_rate=0.05, eps=0.01, weights_precision=SparseType.FP32,
+                        bounds_check_mode=bcm)
+        ours_ids, ours_off, fb_ids, fb_off = ids.clone(), off.clone(), ids.clone(), off.clone()
+        o1, o2 = ours(ours_ids, ours_off), fb(fb_ids, fb_off)
+        torch.cuda.synchronize()
+        assert torch.equal(ours_ids, fb_ids), f"{name}: ids repaired unlike FBGEMM CUDA"
+        assert torch.equal(ours_off, fb_off), f"{name}: offsets repaired unlike FBGEMM CUDA"
+        assert not torch.equal(ours_ids, ids) or not torch.equal(ours_off, off), f"{name}: nothing to repair"
+        torch.testing.assert_close(o1, o2, **TOL[SparseType.FP32])
+        grad = torch.randn(o1.shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+        o1.backward(grad)
+        o2.backward(grad)
+        for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+            torch.testing.assert_close(a, b, **TOL[SparseType.FP32])
+        if mode == "WARNING":
+            assert int(ours.bounds_check_warning) > 0 and int(fb.bounds_check_warning) > 0, name
+        else:
+            assert int(ours.bounds_check_warning) == 0, name
