@@ -557,6 +557,30 @@ def test_suites_have_the_required_shapes():
         assert max(c.table_dims()) <= 16 and c.iters <= 3
 
 
+def test_unseen_suite_covers_what_the_tuned_suite_does_not():
+    """configs/suites/unseen.yaml holds shapes configs/sm90.yaml was never tuned on: each trait it claims is
+    absent from the h200 suite and present in it, and its shapes pass the case checks (load_suite)."""
+    header, shapes = load_suite("unseen", {})
+    assert header["name"] == "unseen" and len(shapes) >= 8
+    traits = {
+        "rows of 512+ elements": lambda c: max(c.table_dims()) >= 512,
+        "only tiny rows": lambda c: max(c.table_dims()) <= 8,
+        "MEAN pooling": lambda c: c.pooling == "mean",
+        "bf16 weights": lambda c: c.weights_precision == "bf16",
+        "a batch of at most 512 over 64+ tables": lambda c: c.batch_size <= 512 and c.num_tables >= 64,
+        "bags of 200 ids": lambda c: c.bag_size >= 200,
+        "one table of 20 M+ rows": lambda c: c.num_tables == 1 and c.num_embeddings >= 20_000_000,
+        "narrow sequence lookups": lambda c: c.pooling == "none" and max(c.table_dims()) <= 32,
+        "weighted int32 ids": lambda c: c.weighted and c.indices_dtype == 32,
+    }
+    tuned = [s.case for s in load_suite("h200", {})[1]]
+    unseen = [s.case for s in shapes]
+    for trait, has in traits.items():
+        assert not any(has(c) for c in tuned), f"h200 already has {trait}"
+        assert any(has(c) for c in unseen), f"unseen lacks {trait}"
+    assert {c.name for c in unseen}.isdisjoint(c.name for c in tuned)
+
+
 def test_time_steps_walks_batches_and_excludes_warmup():
     calls = []
 
