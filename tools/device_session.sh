@@ -26,6 +26,7 @@
 #               VARIANTS (tools/config_variants.py), warm on the first run's cache, then cold on fresh ones
 #   sweep-fp32  backward tile/warps with fp32 weights (reported, not written: the tables are per BLOCK_D)
 #   suite       the A/B suite against FBGEMM's CUDA TBE with --check, and the markdown table
+#   unseen      the same on configs/suites/unseen.yaml (shapes the knobs were never tuned on)
 #   tests-core  tests/gpu without the TorchRec one (test_gpu_plugin.py)
 #   plugin      tests/gpu/test_gpu_plugin.py: the TorchRec A/B with checkpoint interchange, every optimizer
 #   suite-opt   the backward of every optimizer against FBGEMM's with the same optimizer, --check, on the
@@ -374,6 +375,11 @@ PY
           --steps "${MULTI_STEPS:-12}" --sharding "$sh" ${MULTI_ARGS:-} > "$log" 2>&1; echo "rc=$?"
         grep -E "^TorchRec|^plan:|^median|MATCH" "$log" | cut -c1-220 || quiet < "$log" | tail -6
       done ;;
+    unseen)
+      timeout 560 python -m torchrec_triton_tbe.bench.cli --suite unseen --compare fbgemm --check --iters 20 \
+        --json "$OUT/unseen.json" > "$OUT/unseen.log" 2>&1; echo "rc=$?"
+      grep -i "check\|error\|fail" "$OUT/unseen.log" | grep -v "_fbgemm_torch_compat" | tail -5
+      python tools/perf_table.py "$OUT/unseen.json" | tail -24 ;;
     suite)
       python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check --iters 20 \
         --json "$OUT/h200.json" --plot "$OUT/h200.png" > "$OUT/suite.log" 2>&1; echo "rc=$?"
