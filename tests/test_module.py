@@ -215,6 +215,35 @@ def test_to_empty_keeps_the_learning_rate_and_hyper_parameters(reload):
     _one_step_matches(ours, ref, "after to_empty")
 
 
+def test_a_move_takes_the_tables_along_and_a_cast_leaves_the_module_state_alone():
+    """``module.to`` / ``to_empty`` onto another device move the plan's tables with the buffers (the
+    forward checks inputs against them, the kernels read them): to meta, a forward raises naming the
+    device; back with ``to_empty`` and a checkpoint, training matches the reference, and the WARNING count
+    (nothing to keep from meta) is zero. A cast or a move to the device the buffers are on returns them
+    as they are: the offsets check's scratch is not written (a forward still running on another stream
+    may hold tickets in it), nor the count."""
+    ours, ref = make_pair([(8, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          learning_rate=0.1, eps=0.5)
+    saved = ours.state_dict()
+    ours._bounds_scratch.fill_(7)  # as mid-check
+    ours.bounds_check_warning.fill_(3)
+    scratch = ours._bounds_scratch
+    for cast in (lambda m: m.float(), lambda m: m.to("cpu"), lambda m: m.cpu(), lambda m: m.double().float()):
+        cast(ours)
+        assert ours._bounds_scratch is scratch and scratch.tolist() == [7, 7]
+        assert int(ours.bounds_check_warning) == 3
+    ours._bounds_scratch.zero_()
+    ours.to("meta")
+    assert ours.spec.device.type == "meta" and ours.spec.tensors.feature_dim.is_meta
+    with pytest.raises(RuntimeError, match="unsupported device meta"):
+        ours(torch.tensor([1], device="meta"), torch.tensor([0, 1], device="meta"))
+    ours.to_empty(device="cpu")
+    assert ours.spec.device == torch.device("cpu") and not ours.spec.tensors.feature_dim.is_meta
+    assert ours._bounds_scratch.tolist() == [0, 0] and int(ours.bounds_check_warning) == 0
+    ours.load_state_dict(saved)
+    _one_step_matches(ours, ref, "after a move to meta and back")
+
+
 @pytest.mark.parametrize("optimizer,precision", [
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32),
     (EmbOptimType.EXACT_ADAGRAD, SparseType.FP16),

@@ -232,6 +232,10 @@ class TritonTBE(nn.Module):
         # ``module.to`` moves it.
         self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, dtype=torch.float32, device=dev))
 
+        # The caller's choice (None: the device's default), loaded again when the module moves to a device
+        # of another kind (_retarget).
+        self._kernel_config_choice = kernel_config
+        self._device_error: Optional[str] = None  # set where _apply moved the tables to a device kernels cannot use
         config = load_config(dev, kernel_config)
         plan = _with_small_tables(plan, config, pooling_mode == PoolingMode.NONE)
         self._spec = TBESpec(
@@ -275,13 +279,14 @@ class TritonTBE(nn.Module):
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
         """Swap tuning knobs (results change by fp32 summation order at most: the short/long threshold,
         the long chunk and the small-table path reorder sums)."""
-        config = load_config(self.current_device, config)
+        self._kernel_config_choice = config
+        dev = self._spec.device
+        config = load_config(dev, config)
         plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
         changes = dict(config=config)
         # The small tables' buckets moved, or the one-launch forward's slices changed width: new tensors.
         if plan != self._spec.plan or config.forward.grouped_block_d != self._spec.tensors.chunk_width:
-            changes.update(plan=plan, tensors=PlanTensors.build(plan, self.current_device,
-                                                                config.forward.grouped_block_d))
+            changes.update(plan=plan, tensors=PlanTensors.build(plan, dev, config.forward.grouped_block_d))
         self._spec = dataclasses.replace(self._spec, **changes)
         self._backward_graphs.clear()
         self._cached_call = None
@@ -290,23 +295,60 @@ class TritonTBE(nn.Module):
         # Moving or casting buffers invalidates graphs captured on the old ones (their keys would
         # never match again; dropping them frees their static inputs now).
         self._backward_graphs.clear()
-        out = super()._apply(fn, *args, **kwargs)
-        # Buffers whose values are the module's own, not state a checkpoint restores, written again
-        # (to_empty leaves them uninitialised): the offsets check's scratch, zero at every launch
-        # (kernels/bounds.py); the row that empty tables' lookups read, zero (TablePlan.empty_row_offset);
-        # the learning rate and hyper-parameters, whose host view decides whether a later update
-        # writes them at all (update_hyper_parameters).
+        # A copy or cast of the buffers, and the writes below, come after the last forward's work on its
+        # stream (a pipeline's lookup stream may still be running its offsets check on the scratch).
+        self._follow_last_stream()
         b = self._buffers
+        before = dict(b)
+        out = super()._apply(fn, *args, **kwargs)
+        if b["weights"].device != self._spec.device:
+            self._retarget(b["weights"].device)
+        # Buffers whose values are the module's own, not state a checkpoint restores, written again
+        # where _apply replaced them (to_empty leaves them uninitialised; a cast or a move to the device
+        # they are on returns them as they are, and writing those could race a forward still running on
+        # another stream): the offsets check's scratch, zero at every launch (kernels/bounds.py); the row
+        # that empty tables' lookups read, zero (TablePlan.empty_row_offset); the learning rate and
+        # hyper-parameters, whose host view decides whether a later update writes them at all
+        # (update_hyper_parameters); the WARNING count, where it has no value to keep (to_empty on its
+        # device, or materialised from meta).
+        def replaced(name):
+            t = b.get(name)
+            return t is not None and t is not before.get(name) and not t.is_meta
+
         with torch.no_grad():
-            if b.get("_bounds_scratch") is not None and not b["_bounds_scratch"].is_meta:
+            if replaced("_bounds_scratch"):
                 b["_bounds_scratch"].zero_()
             empty = self._spec.plan.empty_row_offset
-            if empty is not None and b.get("weights") is not None and not b["weights"].is_meta:
+            if empty is not None and replaced("weights"):
                 b["weights"][empty:].zero_()
-            if b.get("learning_rate_tensor") is not None and not b["learning_rate_tensor"].is_meta:
+            if replaced("learning_rate_tensor"):
                 b["learning_rate_tensor"].fill_(self._hyper_host["lr"])
+            if replaced("optimizer_hyper"):
                 b["optimizer_hyper"].copy_(torch.tensor([self._hyper_host[n] for n in HYPER_FIELDS]))
+            old = before.get("bounds_check_warning")
+            if replaced("bounds_check_warning") and (old.is_meta or old.device == b["bounds_check_warning"].device):
+                b["bounds_check_warning"].zero_()
         return out
+
+    def _retarget(self, device: torch.device) -> None:
+        """The plan's tables (and the kernel config, where the device kind changed) on ``device``, where
+        ``module.to`` or ``to_empty`` moved the buffers: the forward checks its inputs against the tables'
+        device, and the kernels read the tables with the weights."""
+        # Not raised here: ``model.cpu()`` before saving a checkpoint must work on a GPU host; a forward
+        # on a device the kernels cannot run on raises (the check's message).
+        try:
+            _env.check_device(device)
+            self._device_error = None
+        except RuntimeError as e:
+            self._device_error = str(e)
+        config = load_config(device, self._kernel_config_choice)
+        plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
+        self._spec = dataclasses.replace(
+            self._spec, config=config, plan=plan,
+            tensors=PlanTensors.build(plan, device, config.forward.grouped_block_d),
+        )
+        self._cached_call = None
+        self._last_stream = LastStream()  # a stream of the old device: nothing to wait for here
 
     # ------------------------------------------------------------------ forward
     # torch.compile: dynamo cannot trace the launches (our launch cache calls Triton's launcher directly;
@@ -328,6 +370,18 @@ class TritonTBE(nn.Module):
     ) -> torch.Tensor:
         # total_unique_indices is a sizing hint (needed by FBGEMM's OptimType.NONE); hash_zch_* feed
         # FBGEMM's raw-embedding streaming. Neither changes the pooled output.
+        if self._device_error is not None:
+            raise RuntimeError(f"{self._device_error} (the module was moved to {self._spec.device})")
+        dev = self._spec.device
+        if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+            # Triton launches on the current device's stream, and the torch ops around the launches on
+            # the tables' device's: a module on cuda:1 called with cuda:0 current would race its own
+            # kernels. FBGEMM's operators guard on their tensors' device; so does this forward (the
+            # backward runs on autograd's thread for the gradient's device).
+            with torch.cuda.device(dev):
+                return self.forward(indices, offsets, per_sample_weights, feature_requires_grad,
+                                    batch_size_per_feature_per_rank, total_unique_indices, hash_zch_identities,
+                                    hash_zch_runtime_meta, vbe_output, vbe_output_offsets)
         if self.precompile_first_step and not self._precompiled and torch.is_grad_enabled():
             self._precompiled = True  # first: the dry run calls forward too
             self.precompile(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
@@ -352,7 +406,7 @@ class TritonTBE(nn.Module):
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.contiguous()
         if feature_requires_grad is not None:
-            feature_requires_grad = feature_requires_grad.to(device=self.current_device, dtype=torch.int32)
+            feature_requires_grad = feature_requires_grad.to(device=spec.device, dtype=torch.int32)
         vbe = None
         if sizes is not None:
             # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
@@ -545,7 +599,7 @@ class TritonTBE(nn.Module):
             if not 0 <= buffer < len(offsets) - 1:
                 raise IndexError(f"reset_embedding_weight_momentum: buffer {buffer} with "
                                  f"{len(offsets)} pruned_indices_offsets")
-            rows = pruned_indices[offsets[buffer] : offsets[buffer + 1]].to(self.current_device, torch.int64)
+            rows = pruned_indices[offsets[buffer] : offsets[buffer + 1]].to(self._spec.device, torch.int64)
             if rows.numel() and not bool(((rows >= 0) & (rows < plan.rows[table])).all()):
                 raise IndexError(f"reset_embedding_weight_momentum: table {table}{self._named(table)} "
                                  f"has {plan.rows[table]} rows; pruned rows {rows.tolist()[:8]} ...")
