@@ -19,7 +19,8 @@ from torchrec_triton_tbe.kernels.grad_gather import locate_rows, sum_rows
 from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 
-@triton.jit
+# NPROG not specialized: see backward_short.py (the learned persistent grid would be a new specialization).
+@triton.jit(do_not_specialize=["NPROG"])
 def _backward_long_partials_kernel(
     partials_ptr,
     grad_out_ptr,
@@ -71,7 +72,7 @@ def _backward_long_partials_kernel(
         tl.store(partials_ptr + c * partial_stride + cols, partial)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NPROG"])
 def _backward_long_apply_kernel(
     weights_ptr,
     m1_ptr,
@@ -128,7 +129,7 @@ def _backward_long_apply_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NPROG"])
 def _backward_long_fused_kernel(
     weights_ptr,
     m1_ptr,
