@@ -94,6 +94,23 @@ def test_training_matches_oracle(pooling, weighted, weights, optimizer, index_dt
     assert_same_state(ours, other, oracle, "after 3 VBE steps", wdt, torch.float32)
 
 
+def test_more_features_than_one_grid_holds_take_more_launches(monkeypatch):
+    """The layout pass launches once per slice of at most 65,535 features (CUDA's grid dimension 1),
+    each slice's programs knowing the whole feature count (the padded offsets' last entry): with the
+    limit shrunk to 3, four features take two launches, and training matches the oracle as with one."""
+    from torchrec_triton_tbe.kernels.vbe import _vbe_layout_kernel
+    from torchrec_triton_tbe.ops import launch as launch_ops
+    from torchrec_triton_tbe.ops import vbe as vbe_ops
+
+    grids = []
+    real_launch = vbe_ops.launch
+    monkeypatch.setattr(vbe_ops, "launch", lambda k, grid, *a, **kw: (
+        grids.append(grid) if k is _vbe_layout_kernel else None, real_launch(k, grid, *a, **kw))[1])
+    monkeypatch.setattr(launch_ops, "MAX_GRID_Y", 3)
+    test_training_matches_oracle(*CASES[0])
+    assert grids and {grid[1] for grid in grids} == {3, 1} and len(grids) % 2 == 0
+
+
 def test_per_sample_weight_gradient_with_vbe():
     ours, ref = make_pair(SPECS, FTM, oracle="reference", optimizer=EmbOptimType.EXACT_SGD)
     g = torch.Generator().manual_seed(2)

@@ -22,7 +22,9 @@ import triton.language as tl
 from torchrec_triton_tbe.kernels.small_table import _feature_lookups
 
 
-@triton.jit
+# t0 is the first feature of this launch (features past CUDA's grid-y limit take more launches): not
+# specialized, so the first launch, t0 = 0, is the same compiled kernel as the later ones.
+@triton.jit(do_not_specialize=["t0"])
 def _linearize_kernel(
     indices_ptr,
     offsets_ptr,
@@ -33,13 +35,14 @@ def _linearize_kernel(
     B,
     bag_shift,
     min_lookups,
+    t0,
     BLOCK_BAGS: tl.constexpr,
     STEP: tl.constexpr,
     NOBAG: tl.constexpr,
     SMALL: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BLOCK_BAGS), T]. Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
+    Grid: [cdiv(B, BLOCK_BAGS), features of this launch], feature t = t0 + program_id(1). Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
     table's rows in bucket-ordered key space; features sharing a table share keys, so their gradients
     merge into one run) and bag id (t << bag_shift) | b (B <= 2**bag_shift: the backward splits it
     with a shift and a mask, not a division). A program walks BLOCK_BAGS bags side by side, STEP
@@ -59,7 +62,7 @@ def _linearize_kernel(
     feature the path takes this call (kernels/small_table.py _feature_lookups; feature_small_ptr: [T]
     int32 flags) keep the sentinel key, so they sort past every bucket and no generic kernel applies them.
     """
-    t = tl.program_id(1)
+    t = t0 + tl.program_id(1)
     if SMALL:
         if (tl.load(feature_small_ptr + t) != 0) & (_feature_lookups(offsets_ptr, t, B) >= min_lookups):
             return

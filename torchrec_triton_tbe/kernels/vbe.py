@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# t0: first feature of this launch (see _linearize_kernel); T, the feature count, is read as a value
+# (.to), which Triton's specialization of a 1 would turn into a constant. Neither is specialized.
+@triton.jit(do_not_specialize=["T", "t0"])
 def _vbe_layout_kernel(
     offsets_ptr,
     bag_begin_ptr,
@@ -24,16 +26,18 @@ def _vbe_layout_kernel(
     total_bags,
     base_stride_t,
     base_stride_r,
+    T,
+    t0,
     BLOCK: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BLOCK), T]. Feature t has bags[t] bags starting at bag bag_begin[t] of the given
+    Grid: [cdiv(B, BLOCK), features of this launch], feature t = t0 + program_id(1) of T. Feature t has bags[t] bags starting at bag bag_begin[t] of the given
     (feature-major) offsets; its rank r's bags start at rank_begin[t * (R + 1) + r] within the feature,
     and that rank's block of the output at base[t * base_stride_t + r * base_stride_r] (elements).
     padded_ptr: [T * B + 1] padded offsets (padding bags empty, at the feature's end).
     out_map_ptr: [T * B] int64 row start of each bag in the 1-D output, -1 for padding bags.
     """
-    t = tl.program_id(1)
+    t = t0 + tl.program_id(1)
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = b < B
     n = tl.load(bags_ptr + t)
@@ -51,4 +55,4 @@ def _vbe_layout_kernel(
     row = base + (b - first) * tl.load(dims_ptr + t)
     tl.store(out_map_ptr + slot, tl.where(b < n, row, -1), mask=m)
     if (t == 0) & (tl.program_id(0) == 0):
-        tl.store(padded_ptr + tl.num_programs(1).to(tl.int64) * B, tl.load(offsets_ptr + total_bags))
+        tl.store(padded_ptr + T.to(tl.int64) * B, tl.load(offsets_ptr + total_bags))

@@ -16,12 +16,9 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, joined, launch, mean_bag_pow2
+from torchrec_triton_tbe.ops.launch import MAX_GRID_Y, arg_key, bucket_streams, cdiv, joined, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
-
-MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (features of one bucket)
-
 
 def fused_repair_mode(spec: TBESpec) -> int:
     if not spec.fused_bounds_check:

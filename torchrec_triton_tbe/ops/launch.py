@@ -41,9 +41,34 @@ _INTERPRETED = _env.interpreting()
 _COMPILED: dict = {}
 
 
-# Set by ops/precompile.py while it drives a step without running it: launch() appends a Launch here
-# and launches nothing.
-_PENDING: Optional[list] = None
+class _Recording(threading.local):
+    """Per thread: the list precompile's dry run (ops/precompile.py) records this thread's launches into
+    while it drives a step without running it (None: launches run). Per thread, not per process: another
+    thread's forward during the dry run must run, not be recorded and dropped (its output would be left
+    uninitialised). The dry run's backward runs on autograd's thread for the device: the forward's
+    autograd node carries the list there (autograd.TBEFunction)."""
+
+    pending: Optional[list] = None
+
+
+_RECORDING = _Recording()
+
+
+def recording_into() -> Optional[list]:
+    """The list this thread's launches are being recorded into, or None."""
+    return _RECORDING.pending
+
+
+@contextlib.contextmanager
+def recording(into: list) -> Iterator[list]:
+    """Within: launch() on this thread appends a Launch to ``into`` and launches nothing."""
+    if _RECORDING.pending is not None:
+        raise RuntimeError("record_step: already recording (not re-entrant)")
+    _RECORDING.pending = into
+    try:
+        yield into
+    finally:
+        _RECORDING.pending = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +204,16 @@ def _joined(streams: list, device: torch.device) -> Iterator[None]:
     join_streams(streams, device)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions 1 and 2
+
+
+def grid_y_chunks(n: int) -> list[tuple[int, int]]:
+    """(first entry, entries) of the launches that cover ``n`` grid-y entries (features), at most
+    MAX_GRID_Y each: one launch, (0, n), up to the limit. FBGEMM's kernels take any feature count (1-D
+    grids over B * T)."""
+    return [(t0, min(n - t0, MAX_GRID_Y)) for t0 in range(0, max(n, 1), MAX_GRID_Y)]
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
     (each host call unwraps its arguments: ~2 µs, several per launch)."""
@@ -235,8 +270,9 @@ def launch(
     CUDA stream to launch on (None: the current one), without making it current (entering
     ``torch.cuda.stream`` and leaving it again costs more host time than the launch itself); ``maxnreg``:
     Triton's cap on registers per thread (None: the compiler's choice)."""
-    if _PENDING is not None:
-        _PENDING.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, maxnreg))
+    pending = _RECORDING.pending
+    if pending is not None:
+        pending.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, maxnreg))
         return None
     if _INTERPRETED or _env.RECORD_LAUNCHES:
         return _bind_and_launch(kernel, grid, args, constexprs, num_warps, maxnreg, stream)

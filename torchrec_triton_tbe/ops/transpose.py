@@ -20,7 +20,7 @@ from torchrec_triton_tbe.kernels.transpose import (
     _scan_totals_kernel,
 )
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import cdiv, launch, mean_bag_pow2, next_pow2
+from torchrec_triton_tbe.ops.launch import cdiv, grid_y_chunks, launch, mean_bag_pow2, next_pow2
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 
@@ -90,14 +90,16 @@ def linearize(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: in
     if N and B:
         block_bags, step = linearize_tile(cfg.bags_per_program, cfg.lookups_per_step, N, B * plan.num_features)
         small = small_table.backward_applies(spec, vbe, B, N)
-        launch(
-            _linearize_kernel,
-            (cdiv(B, block_bags), plan.num_features),
-            (indices, offsets, spec.tensors.feature_key_offset, keys, bags, spec.tensors.feature_small, B, bag_shift,
-             small_table.min_lookups(spec, B) if small else 0),
-            dict(BLOCK_BAGS=block_bags, STEP=step, NOBAG=spec.nobag, SMALL=small),
-            cfg.num_warps,
-        )
+        T = plan.num_features
+        for t0, features in grid_y_chunks(T):
+            launch(
+                _linearize_kernel,
+                (cdiv(B, block_bags), features),
+                (indices, offsets, spec.tensors.feature_key_offset, keys, bags, spec.tensors.feature_small, B,
+                 bag_shift, small_table.min_lookups(spec, B) if small else 0, t0),
+                dict(BLOCK_BAGS=block_bags, STEP=step, NOBAG=spec.nobag, SMALL=small),
+                cfg.num_warps,
+            )
     return keys, bags, bag_shift
 
 

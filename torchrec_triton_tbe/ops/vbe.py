@@ -30,7 +30,7 @@ import torch
 
 from torchrec_triton_tbe.errors import InputError
 from torchrec_triton_tbe.kernels.vbe import _vbe_layout_kernel
-from torchrec_triton_tbe.ops.launch import cdiv, launch
+from torchrec_triton_tbe.ops.launch import cdiv, grid_y_chunks, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 
 LAYOUT_BLOCK = 1024  # padded bags per program of the layout kernel
@@ -144,13 +144,14 @@ def vbe_layout(
         base_d, stride_t, stride_r = parts[4], R, 1
     else:
         base_d, (stride_r, stride_t) = vbe_output_offsets, vbe_output_offsets.stride()
-    launch(
-        _vbe_layout_kernel,
-        (cdiv(max(B, 1), LAYOUT_BLOCK), T),
-        (offsets, bag_begin_d, per_feature_d, rank_begin_d, dims_d, base_d, padded, out_map, B, R, bag_begin[-1],
-         stride_t, stride_r),
-        dict(BLOCK=LAYOUT_BLOCK),
-        4,
-    )
+    for t0, features in grid_y_chunks(T):
+        launch(
+            _vbe_layout_kernel,
+            (cdiv(max(B, 1), LAYOUT_BLOCK), features),
+            (offsets, bag_begin_d, per_feature_d, rank_begin_d, dims_d, base_d, padded, out_map, B, R,
+             bag_begin[-1], stride_t, stride_r, T, t0),
+            dict(BLOCK=LAYOUT_BLOCK),
+            4,
+        )
     return VBELayout(B=B, offsets=padded, out_map=out_map, out_size=out_size, out_align=out_align,
                      output=vbe_output)
