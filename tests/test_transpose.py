@@ -3,8 +3,11 @@ bag ids, run starts, split-K chunks), and the bag-id encoding's width choice."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tbe_cases import make_pair, skewed_batch
+from torchrec_triton_tbe.kernels.grad_gather import split_bag
 from torchrec_triton_tbe.config import load_named
 from torchrec_triton_tbe.ops import transpose as tr_ops
 
@@ -173,3 +176,61 @@ def test_chunk_owners_of_a_row_in_every_bag(run_block):
     assert int(lens.max()) >= 3 * run_block
     chunk_run = torch.repeat_interleave(torch.arange(R), lens[:R])
     assert torch.equal(runs.chunk_run[: chunk_run.numel()].to(torch.int64), chunk_run)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "none"])
+def test_more_features_than_one_grid_holds_take_more_launches(pooling, monkeypatch):
+    """CUDA's grid dimension 1 holds at most 65,535 features; FBGEMM takes any count. The sort-key pass
+    (and VBE's layout, tests/test_vbe.py) launch once per such slice of the features: with the limit
+    shrunk to 2, three features take two launches, and keys, bag ids and a training step equal one
+    launch's (the reference)."""
+    from tbe_cases import PoolingMode, assert_close, oracle_state, oracle_step
+    from torchrec_triton_tbe.kernels.transpose import _linearize_kernel
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    mode = {"sum": PoolingMode.SUM, "none": PoolingMode.NONE}[pooling]
+    specs = [(30, 8), (20, 8)] if pooling == "none" else SPECS
+    ours, ref = make_pair(specs, FTM, oracle="reference", pooling_mode=mode, learning_rate=0.3)
+    g = torch.Generator().manual_seed(3)
+    batch = skewed_batch([r for r, _ in specs], FTM, 5, 4, g)
+    whole = tr_ops.linearize(ours.spec, batch.indices, batch.offsets, batch.B)
+    grids = []
+    real_launch = tr_ops.launch
+    monkeypatch.setattr(tr_ops, "launch", lambda k, grid, *a, **kw: (
+        grids.append(grid) if k is _linearize_kernel else None, real_launch(k, grid, *a, **kw))[1])
+    monkeypatch.setattr(launch_ops, "MAX_GRID_Y", 2)
+    sliced = tr_ops.linearize(ours.spec, batch.indices, batch.offsets, batch.B)
+    assert [grid[1] for grid in grids] == [2, 1]
+    for a, b in zip(whole[:2], sliced[:2]):
+        assert torch.equal(a, b)
+    out = ours(batch.indices, batch.offsets)
+    grad = torch.randn(out.shape, generator=g)
+    out.backward(grad)
+    expected = oracle_step(ref, batch, grad.double())
+    assert_close(out, expected, "forward", atol=1e-6, rtol=1e-6)
+    for t, (got, want) in enumerate(zip(ours.split_embedding_weights(), oracle_state(ref)[0])):
+        assert_close(got, want, f"table {t} after a step in sliced launches", atol=1e-6, rtol=1e-6)
+
+
+@triton.jit
+def _split_bag_kernel(bags_ptr, t_ptr, b_ptr, bag_shift, N: tl.constexpr):
+    i = tl.arange(0, N)
+    t, b = split_bag(tl.load(bags_ptr + i), bag_shift)
+    tl.store(t_ptr + i, t)
+    tl.store(b_ptr + i, b)
+
+
+@pytest.mark.parametrize("dtype,shift", [(torch.int32, 1), (torch.int32, 20), (torch.int32, 31), (torch.int64, 31),
+                                         (torch.int64, 32), (torch.int64, 40)])
+def test_bag_ids_split_back_into_feature_and_bag(dtype, shift):
+    """The backward splits bag ids (t << shift) | b with a shift and a mask (kernels/grad_gather.py
+    split_bag). bag_code gives int64 ids where the shift can reach 32 (a batch or sequence of over 2**31
+    bags or lookups), and there the mask must be built in 64 bits: a 32-bit ``1 << 32`` kept t's bits in
+    b. Checked on the largest b and t of each width."""
+    T = 3 if shift < 31 or dtype == torch.int64 else 1
+    ts = torch.tensor([0, T - 1, T - 1, 0], dtype=torch.int64)
+    bs = torch.tensor([0, 0, (1 << shift) - 1, (1 << shift) - 1], dtype=torch.int64)
+    bags = ((ts << shift) | bs).to(dtype)
+    t, b = torch.empty_like(bags), torch.empty_like(bags)
+    _split_bag_kernel[(1,)](bags, t, b, shift, N=4)
+    assert t.tolist() == ts.tolist() and b.tolist() == bs.tolist()

@@ -69,6 +69,14 @@ def sum_rows(
 
 
 @triton.jit
+def split_bag(bag, bag_shift):
+    """(t, b) of bag ids (t << bag_shift) | b (ops/transpose.py bag_code): a shift and a mask, no integer
+    division on the hot path. The mask is built in the ids' own type: int64 ids are used exactly when
+    the shift may reach 32, where a 32-bit ``1 << bag_shift`` is undefined (its mask would keep t)."""
+    return bag >> bag_shift, bag & ((tl.full([], 1, bag.dtype) << bag_shift) - 1)
+
+
+@triton.jit
 def gather_bag_rows(
     grad_out_ptr,
     bag,
@@ -93,9 +101,7 @@ def gather_bag_rows(
     (t << bag_shift) | b with mask m, scale = psw (WEIGHTED) / bag length (MEAN); t [S] the feature of
     each row; cmask [S, BLOCK_D] the live elements. The bag's output row: common.out_row_start
     (OUT_MAP: a per-bag table, VBE); OUT_ALIGN divides every output row start."""
-    # Bag ids are (t << bag_shift) | b (ops/transpose.py): no integer division on the hot path.
-    t = bag >> bag_shift
-    b = bag & ((1 << bag_shift) - 1)
+    t, b = split_bag(bag, bag_shift)
     if EVEN_D:
         # A row mask broadcast along the columns: no per-element compare.
         cmask = tl.broadcast_to(m[:, None], (m.shape[0], BLOCK_D))
