@@ -150,12 +150,8 @@ def test_register_cap_reaches_triton_only_when_set(fake_gpu):
     launch_mod.launch(kernel, (1,), args, dict(BLOCK=64), 2, maxnreg=96)
     assert [c[3] for c in kernel.calls if c[0] == "jit"] == [dict(BLOCK=64, num_warps=2),
                                                              dict(BLOCK=64, num_warps=2, maxnreg=96)]
-    pending = []
-    launch_mod._PENDING = pending
-    try:
+    with launch_mod.recording([]) as pending:
         launch_mod.launch(kernel, (1,), args, dict(BLOCK=64), 2, maxnreg=96)
-    finally:
-        launch_mod._PENDING = None
     assert pending[0].options == {"num_warps": 2, "maxnreg": 96}
     assert pending[0].site(0) != launch_mod.Launch(kernel, (1,), args, dict(BLOCK=64), 2).site(0)
 

@@ -131,12 +131,38 @@ def test_precompile_under_the_interpreter_compiles_nothing_and_says_so():
 def test_record_step_is_not_reentrant():
     m = _module()
     batch = _batch()
-    launch_ops._PENDING = []
-    try:
+    with launch_ops.recording([]):
         with pytest.raises(RuntimeError, match="not re-entrant"):
             record_step(m, batch.indices, batch.offsets)
-    finally:
-        launch_ops._PENDING = None
+
+
+def test_recording_is_per_thread_and_follows_the_step_into_its_backward():
+    """The dry run records the launches of its own thread only: another thread's forward meanwhile runs
+    (its output equals the same module's outside any recording), where a process-wide switch recorded
+    and dropped its launches and left its output uninitialised. The recorded forward's backward records
+    into the same list on whichever thread autograd runs it (on the GPU, autograd's device thread), and
+    runs nothing."""
+    batch = _batch()
+    recorder, busy, twin = _module(), _module(), _module()
+    twin.load_state_dict(busy.state_dict())
+    want = twin(batch.indices, batch.offsets)
+    got, before = {}, _state(recorder)
+    with launch_ops.recording([]) as recorded:
+        worker = threading.Thread(target=lambda: got.update(out=busy(batch.indices, batch.offsets)))
+        worker.start()
+        worker.join()
+        out = recorder(batch.indices, batch.offsets)
+    assert torch.equal(got["out"], want), "another thread's forward was recorded instead of run"
+    forward_launches = len(recorded)
+    assert forward_launches > 0
+    backward = threading.Thread(target=lambda: out.backward(torch.ones_like(out)))
+    backward.start()
+    backward.join()
+    assert len(recorded) > forward_launches, "the recorded step's backward ran instead of being recorded"
+    assert launch_ops.recording_into() is None
+    for name, buf in recorder.named_buffers():
+        if name in ("weights", "momentum1"):
+            assert torch.equal(buf, before[name]), name
 
 
 def test_precompile_first_step_runs_once_on_the_first_training_forward(monkeypatch):

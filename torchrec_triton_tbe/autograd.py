@@ -18,6 +18,7 @@ from torchrec_triton_tbe.ops import backward as bwd_ops
 from torchrec_triton_tbe.ops import bounds as bounds_ops
 from torchrec_triton_tbe.ops import forward as fwd_ops
 from torchrec_triton_tbe.ops import graphs as graph_ops
+from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops import transpose as transpose_ops
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
@@ -155,11 +156,21 @@ class TBEFunction(torch.autograd.Function):
         ctx.step = step
         ctx.vbe = vbe
         ctx.merged = vbe_output is not None
+        # precompile's dry run records this thread's launches; its backward runs on autograd's thread.
+        ctx.recording = launch_ops.recording_into()
         ctx.save_for_backward(indices, offsets, per_sample_weights, feature_requires_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        into = ctx.recording
+        if into is None or launch_ops.recording_into() is into:
+            return TBEFunction._backward(ctx, grad_out)
+        with launch_ops.recording(into):
+            return TBEFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
         indices, offsets, per_sample_weights, feature_requires_grad = ctx.saved_tensors
         call: LookupCall = ctx.call
         spec, state = call.spec, call.state

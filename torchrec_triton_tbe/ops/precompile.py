@@ -9,7 +9,7 @@ GIL in its MLIR passes and in ptxas, but its Python front end (AST to TTIR) hold
 
 How:
 1. Record. The step (forward, then backward with a ones gradient) is driven once with ``launch``
-   recording instead of launching (ops/launch.py ``_PENDING``). The host code never waits for the GPU,
+   recording instead of launching (ops/launch.py ``recording``, per thread). The host code never waits for the GPU,
    so a step whose kernels never ran still issues every launch the real step will, with the same
    argument types, alignments, constexprs and warps. Host-side effects of the dry run are undone: the
    step counter it advanced, the last-run statistics; it runs on a graph cache of its own (a graph the
@@ -98,7 +98,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
                 batch_size_per_feature_per_rank: Optional[list] = None) -> list:
     """The launches one training step of ``module`` on this batch issues, without running any of them
     (see the module docstring); the module's state is as before."""
-    if launch_ops._PENDING is not None:
+    if launch_ops.recording_into() is not None:
         raise RuntimeError("record_step: already recording (not re-entrant)")
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
     # buffers (the forward's step count does), all of them small. Snapshot, restore after.
@@ -116,16 +116,14 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     if per_sample_weights is not None:
         psw = per_sample_weights.detach().clone().requires_grad_(per_sample_weights.requires_grad)
     recorded: list = []
-    launch_ops._PENDING = recorded
     try:
-        with torch.enable_grad():
+        with launch_ops.recording(recorded), torch.enable_grad():
             kwargs = {}
             if batch_size_per_feature_per_rank is not None:
                 kwargs["batch_size_per_feature_per_rank"] = batch_size_per_feature_per_rank
             out = module(indices, offsets, psw, **kwargs)
             out.backward(torch.ones_like(out))
     finally:
-        launch_ops._PENDING = None
         with torch.no_grad():
             buffers = dict(module.named_buffers())
             for name, saved in small.items():
