@@ -191,10 +191,14 @@ def build_modules(w: Workload, optimizer: str, opts: RunOptions) -> Modules:
         if skip_reason("fbgemm", w, optimizer, opts.device) is not None:
             # Its backward is skipped (an optimizer it lacks here): the forward is the same with any.
             common = dict(common, optimizer=_OPTIMIZER["exact_sgd"])
+        # cache_precision defaults to the weights' and FBGEMM 1.6.0's CUDA module refuses bf16 there
+        # ("cache_precision bf16 not supported!") though every table here is in device memory, uncached.
+        cache = dict(cache_precision=SparseType.FP32) if cuda and case.weights_precision == "bf16" else {}
         fbgemm = SplitTableBatchedEmbeddingBagsCodegen(
             [(e, d, *location) for e, d in zip(rows, w.Ds)],
             cache_algorithm=CacheAlgorithm.LRU,
             cache_load_factor=0.2,
+            **cache,
             **common,
         ).to(opts.device)
         with torch.no_grad():  # same initial weights
