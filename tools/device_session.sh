@@ -53,7 +53,7 @@
 #               best width and the batch up to which it won, for TORCHREC_TRITON_TBE_CONFIG in later steps
 #   variants    configs/sm90.yaml and VARIANTS of it ("name=section.key:value,section.key:value ...",
 #               tools/config_variants.py), each
-#               on VARIANT_SHAPES (VARIANT_PASSES, VARIANT_OPTIMIZERS) with --check against FBGEMM, after
+#               on VARIANT_SHAPES of VARIANT_SUITE (default h200; VARIANT_PASSES, VARIANT_OPTIMIZERS) with --check against FBGEMM, after
 #               VARIANT_TESTS (tests/gpu files) under the first variant's config; VARIANT_EXTRA: more bench
 #               options (e.g. --weights-precision fp32)
 #   peers       a third contender, TorchRec's Triton TBE (bench/peers.py), with FBGEMM's, --check, on FBGEMM's
@@ -283,7 +283,7 @@ PY
         python -m pytest -q -p no:cacheprovider $VARIANT_TESTS 2>&1 | tee "$OUT/tests_variant.txt" | tail -4
       for cfg in configs/sm90.yaml $files; do
         tag=$(basename $cfg .yaml); echo "-- $tag"
-        timeout ${VARIANT_TIMEOUT:-200} python -m torchrec_triton_tbe.bench.cli --suite h200 --compare fbgemm --check \
+        timeout ${VARIANT_TIMEOUT:-200} python -m torchrec_triton_tbe.bench.cli --suite "${VARIANT_SUITE:-h200}" --compare fbgemm --check \
           --iters "${ITERS:-20}" --passes "${VARIANT_PASSES:-bwd}" --optimizer "${VARIANT_OPTIMIZERS:-exact_rowwise_adagrad}" \
           --only "${VARIANT_SHAPES:-prod_small_b16k,prod_t40_b16k,prod_t40_b4k}" --kernel-config $cfg ${VARIANT_EXTRA:-} \
           --json "$OUT/var_$tag.json" > "$OUT/var_$tag.log" 2>&1; echo "rc=$?"
