@@ -56,3 +56,36 @@ def test_two_gpu_2d_parallel_matches_fused(collection, sharding, optimizer):
 
     optim = getattr(pc.EmbOptimType, optimizer.upper())
     pc.spawn(pc.two_d_ab, 2, sharding, 1, optim, collection, "cuda", backend="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_module_on_the_second_gpu_trains_with_the_first_current():
+    """Triton launches on the current device's stream, and a module's torch ops on its tables' device:
+    the forward enters the tables' device (module.py), as FBGEMM's operators guard on theirs. A module on
+    cuda:1, called and trained with cuda:0 current, gives bit for bit the weights of the same module run
+    with cuda:1 current, and a module moved there with ``.to`` (its plan tables along) does too."""
+    from gpu_cases import FTM, SPECS, batch
+
+    from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
+    from torchrec_triton_tbe.module import TritonTBE
+
+    def trained(device, current, move_from=None):
+        m = TritonTBE(SPECS, feature_table_map=FTM, device=move_from or device, learning_rate=0.05, eps=0.01,
+                      optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP32)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for w in m.split_embedding_weights():
+                w.copy_(torch.rand(w.shape, generator=g) - 0.5)
+        m.to(device)
+        with torch.cuda.device(current):
+            for step in range(3):
+                idx, off, _ = batch(step)
+                out = m(idx.to(device), off.to(device))
+                out.backward(torch.ones_like(out))
+        torch.cuda.synchronize(device)
+        return [w.cpu() for w in m.split_embedding_weights()]
+
+    want = trained("cuda:1", "cuda:1")
+    for got in (trained("cuda:1", "cuda:0"), trained("cuda:1", "cuda:0", move_from="cuda:0")):
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
