@@ -5,7 +5,9 @@ runs in one device call (tools/device_session.sh variants and small-table).
         chunk128=backward.long_chunk:128 small=small_table.max_rows:64,small_table.groups:4
 
 Each argument is name=section.key:value[,section.key:value...] (values in YAML; a value holding a
-comma inside braces or brackets stays one value); each variant goes to
+comma inside braces or brackets stays one value), or section.key.entry:value for one entry of a
+per-width table (forward.gather.4:16: the gather at BLOCK_D 4; the table's other entries stay); each
+variant goes to
 <prefix><name>.yaml, whose path is printed. A key the section's config class does not have is an
 error (the config loader ignores unknown keys, so a typo would otherwise time the base config twice),
 and every written file must load as a valid config.
@@ -33,8 +35,8 @@ SECTIONS = {
 }
 
 
-def parse_variant(arg: str) -> tuple[str, list[tuple[str, str, object]]]:
-    """"name=section.key:value,..." -> (name, [(section, key, value)])."""
+def parse_variant(arg: str) -> tuple[str, list[tuple[str, str, object, object]]]:
+    """"name=section.key[.entry]:value,..." -> (name, [(section, key, entry or None, value)])."""
     name, sep, knobs = arg.partition("=")
     if not sep or not name or not knobs:
         raise ValueError(f"variant {arg!r}: expected name=section.key:value[,section.key:value...]")
@@ -55,6 +57,7 @@ def parse_variant(arg: str) -> tuple[str, list[tuple[str, str, object]]]:
     for kv in parts:
         path, sep, value = kv.partition(":")
         section, dot, key = path.partition(".")
+        key, _, entry = key.partition(".")
         if not sep or not dot:
             raise ValueError(f"variant {name!r}: {kv!r} is not section.key:value")
         if section not in SECTIONS:
@@ -62,7 +65,7 @@ def parse_variant(arg: str) -> tuple[str, list[tuple[str, str, object]]]:
         fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
         if key not in fields:
             raise ValueError(f"variant {name!r}: {section} has no knob {key!r} (known: {sorted(fields)})")
-        changes.append((section, key, yaml.safe_load(value)))
+        changes.append((section, key, yaml.safe_load(entry) if entry else None, yaml.safe_load(value)))
     return name, changes
 
 
@@ -71,8 +74,15 @@ def write_variants(base: Path, prefix: str, variants: list[str]) -> list[Path]:
     for arg in variants:
         name, changes = parse_variant(arg)
         d = yaml.safe_load(base.read_text())
-        for section, key, value in changes:
-            d.setdefault(section, {})[key] = value
+        for section, key, entry, value in changes:
+            knobs = d.setdefault(section, {})
+            if entry is None:
+                knobs[key] = value
+            else:
+                table = knobs.get(key)
+                if not isinstance(table, dict):
+                    raise ValueError(f"variant {name!r}: {section}.{key} is not a per-width table in {base}")
+                knobs[key] = {**table, entry: value}
         out = Path(f"{prefix}{name}.yaml")
         out.write_text(yaml.safe_dump(d))
         cfg_mod.load_named(str(out))  # validates (raises on a bad value)
