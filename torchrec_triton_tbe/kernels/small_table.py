@@ -259,13 +259,14 @@ def _small_backward_apply_kernel(
     step = tl.load(step_ptr)
     ch = tl.arange(0, CHUNKS)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Chunks that looked the row up (not a sum of counts: one row's lookups may pass 2**31 in a batch).
     total = tl.zeros([CHUNKS], dtype=tl.int32)
     for c0 in range(0, n_chunks, CHUNKS):
         cm = c0 + ch < n_chunks
         slot = k.to(tl.int64) * n_chunks + c0 + ch
         tile = tl.load(partials_ptr + (slot * E_PAD + e)[:, None] * BLOCK_D + cols[None, :], mask=cm[:, None], other=0.0)
         acc += tl.sum(tile, axis=0)
-        total += tl.load(counts_ptr + slot * E_PAD + e, mask=cm, other=0)
+        total += (tl.load(counts_ptr + slot * E_PAD + e, mask=cm, other=0) != 0).to(tl.int32)
     one = tl.arange(0, 1)
     act = (one == 0) & (tl.sum(total, axis=0) > 0)
     umask = act[:, None] & (cols[None, :] < D)
