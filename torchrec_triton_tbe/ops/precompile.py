@@ -171,7 +171,7 @@ def precompile(module, indices: torch.Tensor, offsets: torch.Tensor,
         raise ValueError(f"precompile: pool must be 'process' or 'thread', not {pool!r}")
     if compile_fn is not None and job_fn is None:
         pool = "thread"  # a replaced compile has no JIT inputs to hand the workers
-    device = module.current_device
+    device = module.spec.device  # the tables' device (a move takes them along; current_device stays the constructor's)
     compiles = compile_fn is not None or not (_env.interpreting() or device.type != "cuda")
     prestarted = procs is not None and compiles and pool == "process" and not procs.closed
     if not prestarted:
@@ -551,7 +551,7 @@ _HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def hold_workers(module, workers: Optional[int] = None) -> bool:
     """Starts (or joins, ``start_workers``) the compile workers of ``module``'s first precompile and
     keeps them until it runs (``release_workers``) or the module goes; whether any were started."""
-    procs = start_workers(module.current_device, workers, module.spec.config.precompile.max_workers)
+    procs = start_workers(module.spec.device, workers, module.spec.config.precompile.max_workers)
     if procs is not None:
         _HELD[module] = procs
     return procs is not None
