@@ -233,7 +233,11 @@ def test_a_move_takes_the_tables_along_and_a_cast_leaves_the_module_state_alone(
         assert ours._bounds_scratch is scratch and scratch.tolist() == [7, 7]
         assert int(ours.bounds_check_warning) == 3
     ours._bounds_scratch.zero_()
+    with pytest.raises(FileNotFoundError):
+        ours.set_kernel_config("no_such_config")  # refused, and not loaded again by the moves below
+    graphs = ours._backward_graphs
     ours.to("meta")
+    assert ours._backward_graphs is not graphs  # a graph cache (and its capture stream) per device
     assert ours.spec.device.type == "meta" and ours.spec.tensors.feature_dim.is_meta
     with pytest.raises(RuntimeError, match="unsupported device meta"):
         ours(torch.tensor([1], device="meta"), torch.tensor([0, 1], device="meta"))

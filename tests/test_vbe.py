@@ -106,7 +106,17 @@ def test_more_features_than_one_grid_holds_take_more_launches(monkeypatch):
     real_launch = vbe_ops.launch
     monkeypatch.setattr(vbe_ops, "launch", lambda k, grid, *a, **kw: (
         grids.append(grid) if k is _vbe_layout_kernel else None, real_launch(k, grid, *a, **kw))[1])
+    ours, _ = make_pair(SPECS, FTM, oracle="reference")
+    idx, off, _ = vbe_batch(SIZES, torch.Generator().manual_seed(2))
+    sizes = vbe_ops.check_batch_sizes(ours.spec, SIZES)
+    whole = vbe_ops.vbe_layout(ours.spec, off, sizes)
     monkeypatch.setattr(launch_ops, "MAX_GRID_Y", 3)
+    sliced = vbe_ops.vbe_layout(ours.spec, off, sizes)
+    # The padded offsets (their last entry too, written by one program of the first slice) and the
+    # per-bag table, entry for entry.
+    assert torch.equal(sliced.offsets, whole.offsets) and torch.equal(sliced.out_map, whole.out_map)
+    assert int(sliced.offsets[-1]) == idx.numel()
+    grids.clear()
     test_training_matches_oracle(*CASES[0])
     assert grids and {grid[1] for grid in grids} == {3, 1} and len(grids) % 2 == 0
 

@@ -279,9 +279,9 @@ class TritonTBE(nn.Module):
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
         """Swap tuning knobs (results change by fp32 summation order at most: the short/long threshold,
         the long chunk and the small-table path reorder sums)."""
-        self._kernel_config_choice = config
         dev = self._spec.device
-        config = load_config(dev, config)
+        choice, config = config, load_config(dev, config)
+        self._kernel_config_choice = choice  # only once it loads: a later move loads it again
         plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
         changes = dict(config=config)
         # The small tables' buckets moved, or the one-launch forward's slices changed width: new tensors.
@@ -310,7 +310,8 @@ class TritonTBE(nn.Module):
         # that empty tables' lookups read, zero (TablePlan.empty_row_offset); the learning rate and
         # hyper-parameters, whose host view decides whether a later update writes them at all
         # (update_hyper_parameters); the WARNING count, where it has no value to keep (to_empty on its
-        # device, or materialised from meta).
+        # device, or materialised from meta; to_empty onto another device looks like a move, which keeps
+        # the count, and leaves it as to_empty left it).
         def replaced(name):
             t = b.get(name)
             return t is not None and t is not before.get(name) and not t.is_meta
@@ -349,6 +350,8 @@ class TritonTBE(nn.Module):
         )
         self._cached_call = None
         self._last_stream = LastStream()  # a stream of the old device: nothing to wait for here
+        # Its capture stream belongs to the old device (and entering it would make that device current).
+        self._backward_graphs = BackwardGraphs()
 
     # ------------------------------------------------------------------ forward
     # torch.compile: dynamo cannot trace the launches (our launch cache calls Triton's launcher directly;
