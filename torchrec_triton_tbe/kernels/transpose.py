@@ -42,11 +42,11 @@ def _linearize_kernel(
     SMALL: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BLOCK_BAGS), features of this launch], feature t = t0 + program_id(1). Lookup p of bag (t, b) gets key = key_offset[t] + idx[p] (the
-    table's rows in bucket-ordered key space; features sharing a table share keys, so their gradients
-    merge into one run) and bag id (t << bag_shift) | b (B <= 2**bag_shift: the backward splits it
-    with a shift and a mask, not a division). A program walks BLOCK_BAGS bags side by side, STEP
-    lookups of each per step, so consecutive lanes read consecutive ids.
+    Grid: [cdiv(B, BLOCK_BAGS), features of this launch], feature t = t0 + program_id(1). Lookup p of bag (t, b)
+    gets key = key_offset[t] + idx[p] (the table's rows in bucket-ordered key space; features sharing a table share
+    keys, so their gradients merge into one run) and bag id (t << bag_shift) | b (B <= 2**bag_shift: the backward
+    splits it with a shift and a mask, not a division). A program walks BLOCK_BAGS bags side by side, STEP lookups
+    of each per step, so consecutive lanes read consecutive ids.
 
     NOBAG (PoolingMode.NONE): every lookup is its own output row, so its "bag" id is
     (t << bag_shift) | (p - offsets[t*B]), its position within its feature (N <= 2**bag_shift): the

@@ -31,9 +31,10 @@ def _vbe_layout_kernel(
     BLOCK: tl.constexpr,
 ):
     """
-    Grid: [cdiv(B, BLOCK), features of this launch], feature t = t0 + program_id(1) of T. Feature t has bags[t] bags starting at bag bag_begin[t] of the given
-    (feature-major) offsets; its rank r's bags start at rank_begin[t * (R + 1) + r] within the feature,
-    and that rank's block of the output at base[t * base_stride_t + r * base_stride_r] (elements).
+    Grid: [cdiv(B, BLOCK), features of this launch], feature t = t0 + program_id(1) of T. Feature t has
+    bags[t] bags starting at bag bag_begin[t] of the given (feature-major) offsets; its rank r's bags
+    start at rank_begin[t * (R + 1) + r] within the feature, and that rank's block of the output at
+    base[t * base_stride_t + r * base_stride_r] (elements).
     padded_ptr: [T * B + 1] padded offsets (padding bags empty, at the feature's end).
     out_map_ptr: [T * B] int64 row start of each bag in the 1-D output, -1 for padding bags.
     """

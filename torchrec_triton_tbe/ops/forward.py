@@ -20,6 +20,7 @@ from torchrec_triton_tbe.ops.launch import MAX_GRID_Y, arg_key, bucket_streams, 
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
+
 def fused_repair_mode(spec: TBESpec) -> int:
     if not spec.fused_bounds_check:
         return REPAIR_OFF
