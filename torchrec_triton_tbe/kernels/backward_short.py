@@ -34,9 +34,9 @@ from torchrec_triton_tbe.kernels.optim import apply_rows_update
 
 # NPROG, the persistent grid, is not specialized: the first launch uses the configured grid and later
 # ones the grid learned from the compiled kernel's occupancy (ops/backward._launch_persistent), whose
-# divisibility by 16 differs, so Triton would compile every backward kernel again at the second step
-# (inside its CUDA-graph capture, where the backward is captured), a specialization precompile never
-# saw. The grid only strides the loop over runs or chunks.
+# divisibility by 16 may differ: Triton would then compile the kernel again at the second step (inside
+# its CUDA-graph capture, where the backward is captured), a specialization precompile never saw. The
+# grid only strides the loop over runs or chunks.
 @triton.jit(do_not_specialize=["NPROG"])
 def _backward_short_kernel(
     weights_ptr,
