@@ -279,16 +279,22 @@ class TritonTBE(nn.Module):
     def set_kernel_config(self, config: Union[KernelConfig, str]) -> None:
         """Swap tuning knobs (results change by fp32 summation order at most: the short/long threshold,
         the long chunk and the small-table path reorder sums)."""
-        dev = self._spec.device
-        choice, config = config, load_config(dev, config)
-        self._kernel_config_choice = choice  # only once it loads: a later move loads it again
+        self._configure(self._spec.device, config)
+        self._backward_graphs.clear()
+
+    def _configure(self, device: torch.device, choice: Union[KernelConfig, str, None]) -> None:
+        """The spec with the kernel config ``choice`` loads for ``device``, its tables on ``device``;
+        ``choice`` is kept for later moves only once it has loaded."""
+        config = load_config(device, choice)
+        self._kernel_config_choice = choice
         plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
         changes = dict(config=config)
-        # The small tables' buckets moved, or the one-launch forward's slices changed width: new tensors.
-        if plan != self._spec.plan or config.forward.grouped_block_d != self._spec.tensors.chunk_width:
-            changes.update(plan=plan, tensors=PlanTensors.build(plan, dev, config.forward.grouped_block_d))
+        # The small tables' buckets moved, the one-launch forward's slices changed width, or the module
+        # moved: new tensors.
+        if (plan != self._spec.plan or config.forward.grouped_block_d != self._spec.tensors.chunk_width
+                or device != self._spec.device):
+            changes.update(plan=plan, tensors=PlanTensors.build(plan, device, config.forward.grouped_block_d))
         self._spec = dataclasses.replace(self._spec, **changes)
-        self._backward_graphs.clear()
         self._cached_call = None
 
     def _apply(self, fn, *args, **kwargs):
@@ -332,8 +338,8 @@ class TritonTBE(nn.Module):
         return out
 
     def _retarget(self, device: torch.device) -> None:
-        """The plan's tables (and the kernel config, where the device kind changed) on ``device``, where
-        ``module.to`` or ``to_empty`` moved the buffers: the forward checks its inputs against the tables'
+        """The plan's tables and the kernel config for ``device``, where ``module.to`` or ``to_empty``
+        moved the buffers: the forward checks its inputs against the tables'
         device, and the kernels read the tables with the weights."""
         # Not raised here: ``model.cpu()`` before saving a checkpoint must work on a GPU host; a forward
         # on a device the kernels cannot run on raises (the check's message).
@@ -342,13 +348,7 @@ class TritonTBE(nn.Module):
             self._device_error = None
         except RuntimeError as e:
             self._device_error = str(e)
-        config = load_config(device, self._kernel_config_choice)
-        plan = _with_small_tables(self._spec.plan, config, self._spec.nobag)
-        self._spec = dataclasses.replace(
-            self._spec, config=config, plan=plan,
-            tensors=PlanTensors.build(plan, device, config.forward.grouped_block_d),
-        )
-        self._cached_call = None
+        self._configure(device, self._kernel_config_choice)
         self._last_stream = LastStream()  # a stream of the old device: nothing to wait for here
         # Its capture stream belongs to the old device (and entering it would make that device current).
         self._backward_graphs = BackwardGraphs()

@@ -98,8 +98,6 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
                 batch_size_per_feature_per_rank: Optional[list] = None) -> list:
     """The launches one training step of ``module`` on this batch issues, without running any of them
     (see the module docstring); the module's state is as before."""
-    if launch_ops.recording_into() is not None:
-        raise RuntimeError("record_step: already recording (not re-entrant)")
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
     # buffers (the forward's step count does), all of them small. Snapshot, restore after.
     # The snapshot reads the step count: after the last forward's stream (another one may still be
