@@ -397,6 +397,48 @@ def test_grouped_launch_leaves_grids_too_tall_to_the_bucket_launches(monkeypatch
     assert len(launches) == len(m.spec.plan.buckets) and not any(x[3]["COL_CHUNKS"] for x in launches)
 
 
+def test_buckets_of_more_features_than_one_grid_holds_launch_in_slices(monkeypatch):
+    """CUDA's grid dimension 1 holds at most 65,535 features; FBGEMM takes any count. The forward and the
+    per-sample weights' gradient launch once per such slice of a bucket's features (as the sort-key and
+    VBE-layout passes do): with the limit shrunk to 2, the 3-feature bucket takes two launches of each,
+    and the output, that gradient and the tables after a step equal one launch's."""
+    from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
+    from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
+    from torchrec_triton_tbe.ops import backward as bwd_ops
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    g = torch.Generator().manual_seed(5)
+    x = skewed_batch([r for r, _ in SPECS], FTM, B=6, max_L=5, generator=g, weighted=True)
+    grad = torch.randn(6, sum(SPECS[t][1] for t in FTM), generator=g)
+    grids = {_pooled_forward_kernel: [], _psw_grad_kernel: []}
+
+    def spy(module):
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *a, **kw: (
+            grids[kernel].append(grid[1]) if kernel in grids else None, real(kernel, grid, *a, **kw))[1])
+
+    def step():
+        # B = 6 is above the interpreter config's grouped_max_batch: one launch per bucket.
+        ours, _ = make_pair(SPECS, FTM, oracle="reference", kernel_config=with_lanes(2), learning_rate=0.3)
+        psw = x.per_sample_weights.clone().requires_grad_()
+        out = ours(x.indices, x.offsets, psw)
+        out.backward(grad)
+        return [out, psw.grad, *ours.split_embedding_weights()]
+
+    whole = step()
+    spy(fwd_ops)
+    spy(bwd_ops)
+    monkeypatch.setattr(launch_ops, "MAX_GRID_Y", 2)
+    sliced = step()
+    # Buckets 4, 8 and 16 (features 4; 0; 1, 2, 3), the last in slices of 2 and 1.
+    assert grids[_pooled_forward_kernel] == [1, 1, 2, 1] and grids[_psw_grad_kernel] == [1, 1, 2, 1]
+    names = ["output", "per-sample weights' gradient"] + [f"table {t} after the step" for t in range(len(SPECS))]
+    assert len(whole) == len(sliced) == len(names)
+    for what, a, b in zip(names, whole, sliced):
+        assert torch.equal(a.detach(), b.detach()), what
+
+
 @pytest.mark.parametrize("kernel_config", ["per_bucket", "grouped"])
 def test_forward_launch_keys_equal_the_arguments_key(monkeypatch, kernel_config):
     # pooled_forward builds launch()'s key from the call's and the plan's parts: it must equal

@@ -72,6 +72,41 @@ def test_plan_gives_small_tables_buckets_of_their_own():
     assert (sm90.max_rows, sm90.forward, sm90.backward) == (64, 0, 1) and sm90.backward_min_bag > 0
 
 
+def test_small_groups_hold_at_most_one_grid_of_features(monkeypatch):
+    """A small group's launches take one feature per grid-y entry (CUDA: at most 65,535): a width with
+    more small tables splits into groups of that many. With the limit shrunk to 2, three 8-wide small
+    tables make two groups, and a forward and a training step equal one group's."""
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    specs, ftm = [(9, 8), (5, 8), (7, 8), (300, 8)], [0, 1, 2, 3]
+
+    def step():
+        ours, _ = make_pair(specs, ftm, oracle="reference", seed=3, kernel_config=SMALL, learning_rate=0.2,
+                            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, eps=0.05)
+        batch = skewed_batch([r for r, _ in specs], ftm, B=20, max_L=30, generator=torch.Generator().manual_seed(4))
+        out = ours(batch.indices, batch.offsets)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+        return ours, [out, *ours.split_embedding_weights(), ours.momentum1]
+
+    one, whole = step()
+    assert [(g.block_d, g.tables) for g in one.spec.plan.small_groups] == [(8, (0, 1, 2))]
+    monkeypatch.setattr(launch_ops, "MAX_GRID_Y", 2)
+    ran = []
+    for name in ("forward", "backward"):
+        real = getattr(small_ops, name)
+        monkeypatch.setattr(small_ops, name, lambda *a, _real=real, _name=name, **k: (ran.append((_name, a[1])),
+                                                                                       _real(*a, **k))[1])
+    two, sliced = step()
+    assert ran == [("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)]
+    assert [(g.block_d, g.tables, g.features) for g in two.spec.plan.small_groups] == [(8, (0, 1), (0, 1)),
+                                                                                      (8, (2,), (2,))]
+    names = ["output"] + [f"table {t}" for t in range(len(specs))] + ["momentum1"]
+    assert len(whole) == len(sliced) == len(names)
+    for what, a, b in zip(names, whole, sliced):
+        # Each small table's sums are its own program's, wherever its group starts: equal bit for bit.
+        assert torch.equal(a.detach(), b.detach()), what
+
+
 @pytest.mark.parametrize("optimizer,pooling,weighted,weights", [
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.SUM, False, SparseType.FP32),
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, PoolingMode.MEAN, True, SparseType.FP32),

@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 import triton
 
+from torchrec_triton_tbe.ops import launch
+
 
 def block_d(dim: int) -> int:
     """The power-of-two tile width a table of width ``dim`` is processed with."""
@@ -190,11 +192,17 @@ class TablePlan:
 
     @functools.cached_property
     def small_groups(self) -> tuple[SmallGroup, ...]:
-        """The small tables by width (with small_split: the small buckets' tables, in their order)."""
-        groups = []
+        """The small tables by width (with small_split: the small buckets' tables, in their order), in
+        groups of at most MAX_GRID_Y: a group's launches take one feature (each table has one) per grid-y
+        entry."""
+        groups, most = [], launch.MAX_GRID_Y
         for w in sorted({block_d(self.dims[k]) for k in self.small_tables}):
-            tables = tuple(k for k in sorted(self.small_tables) if block_d(self.dims[k]) == w)
-            groups.append(SmallGroup(w, tuple(t for t, k in enumerate(self.feature_table_map) if k in tables), tables))
+            width = tuple(k for k in sorted(self.small_tables) if block_d(self.dims[k]) == w)
+            for i in range(0, len(width), most):
+                tables = width[i:i + most]
+                members = frozenset(tables)
+                features = tuple(t for t, k in enumerate(self.feature_table_map) if k in members)
+                groups.append(SmallGroup(w, features, tables))
         return tuple(groups)
 
     @functools.cached_property

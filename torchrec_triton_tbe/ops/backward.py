@@ -25,7 +25,7 @@ from torchrec_triton_tbe.kernels.backward_long import (
 from torchrec_triton_tbe.kernels.backward_short import _backward_short_kernel
 from torchrec_triton_tbe.kernels.psw_grad import _psw_grad_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, joined, launch
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, grid_y_slices, joined, launch
 from torchrec_triton_tbe.ops.spec import TBESpec
 from torchrec_triton_tbe.ops.transpose import RunPlan, build_runs
 from torchrec_triton_tbe.ops.vbe import VBELayout
@@ -99,35 +99,37 @@ def psw_grad(
         # The forward's per-width table was measured for the forward only (configs/sm90.yaml); this
         # kernel keeps the table's default at every width, as before the table.
         bags = cfg.bags_per_program.default
-        launch(
-            _psw_grad_kernel,
-            (cdiv(B, bags), len(bucket.features)),
-            (
-                weights,
-                indices,
-                offsets,
-                grad_out,
-                grad,
-                tensors.bucket_features[k],
-                tensors.feature_dim,
-                tensors.feature_weight_offset,
-                tensors.feature_out_offset if vbe is None else vbe.out_map,
-                feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
-                B,
-                plan.total_D,
-            ),
-            dict(
-                POOLING_MEAN=spec.pooling_mean,
-                HAS_FEATURE_MASK=feature_requires_grad is not None,
-                EVEN_D=spec.bucket_even_d[k],
-                ALIGN=spec.bucket_align[k],
-                BLOCK_D=bucket.block_d,
-                GATHER=gather,
-                BAGS=bags,
-                OUT_MAP=vbe is not None,
-            ),
-            tile_warps(cfg.num_warps.get(bucket.block_d), gather * bucket.block_d),
-        )
+        # One launch per slice of the bucket's features that one grid's second dimension holds.
+        for features in grid_y_slices(tensors.bucket_features[k]):
+            launch(
+                _psw_grad_kernel,
+                (cdiv(B, bags), features.numel()),
+                (
+                    weights,
+                    indices,
+                    offsets,
+                    grad_out,
+                    grad,
+                    features,
+                    tensors.feature_dim,
+                    tensors.feature_weight_offset,
+                    tensors.feature_out_offset if vbe is None else vbe.out_map,
+                    feature_requires_grad if feature_requires_grad is not None else tensors.feature_dim,
+                    B,
+                    plan.total_D,
+                ),
+                dict(
+                    POOLING_MEAN=spec.pooling_mean,
+                    HAS_FEATURE_MASK=feature_requires_grad is not None,
+                    EVEN_D=spec.bucket_even_d[k],
+                    ALIGN=spec.bucket_align[k],
+                    BLOCK_D=bucket.block_d,
+                    GATHER=gather,
+                    BAGS=bags,
+                    OUT_MAP=vbe is not None,
+                ),
+                tile_warps(cfg.num_warps.get(bucket.block_d), gather * bucket.block_d),
+            )
     return grad
 
 

@@ -1,8 +1,8 @@
 """Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]
-(spread over forward.bucket_streams streams when the forward is large enough), or at batches of at most
-forward.grouped_max_batch one launch for every bucket, grid [cdiv(B, ...), E] over the features' column
-slices; small-table buckets (ops/small_table.py) first, on the caller's stream, where the call allows
-that path.
+(one per 65,535 of its features, CUDA's grid-y limit; spread over forward.bucket_streams streams when the
+forward is large enough), or at batches of at most forward.grouped_max_batch one launch for every bucket,
+grid [cdiv(B, ...), E] over the features' column slices; small-table buckets (ops/small_table.py) first,
+on the caller's stream, where the call allows that path.
 Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence_block)]."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import MAX_GRID_Y, arg_key, bucket_streams, cdiv, joined, launch, mean_bag_pow2
+from torchrec_triton_tbe.ops.launch import (MAX_GRID_Y, arg_key, bucket_streams, cdiv, grid_y_slices, joined, launch,
+                                           mean_bag_pow2)
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -128,8 +129,8 @@ def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor
 def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> tuple[list, int]:
     """(the buckets a pooled forward of batch ``B`` launches as one (forward.grouped_max_batch), their
     column slices: the first entries of PlanTensors.grouped_features), or ([], 0) for one launch per
-    bucket: also where the slices would not fit one grid's second dimension (the bucket launches, T_k
-    features each, still do). From host ints only."""
+    bucket: also where the slices would not fit one grid's second dimension (the bucket launches take
+    their features in slices that fit). From host ints only."""
     if not 0 < B <= spec.config.forward.grouped_max_batch:
         return [], 0
     ks = [k for k, b in enumerate(spec.plan.buckets) if b.features and not (skip_small and b.small)]
@@ -157,9 +158,6 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         """The launch of buckets ``ks`` at BLOCK_D ``bd`` over ``n`` grid-y entries (column slices
         ``cols`` of ``features``, whose narrow features take narrower tiles (forward.grouped_narrow);
         None: whole features)."""
-        if n > MAX_GRID_Y:
-            raise ValueError(f"{n} features (or column slices) in one forward launch at BLOCK_D={bd}; "
-                             f"at most {MAX_GRID_Y}")
         align = min(spec.bucket_align[k] for k in ks)
         bags, lanes, gather = cfg.knobs(bd, weight_bytes, B)
         if lanes > 1:
@@ -199,7 +197,10 @@ def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_by
         bd = min(tensors.chunk_width, max(plan.buckets[k].block_d for k in grouped))
         launches = [one(grouped, bd, n, tensors.grouped_features, tensors.grouped_cols)]
     else:
-        launches = [one([k], b.block_d, len(b.features), tensors.bucket_features[k], None)
-                    for k, b in enumerate(plan.buckets) if b.features and not (skip_small and b.small)]
+        # A bucket of more features than one grid's second dimension holds launches once per slice of
+        # them (a view of its feature list: the kernel reads feature ids through it).
+        launches = [one([k], b.block_d, features.numel(), features, None)
+                    for k, b in enumerate(plan.buckets) if b.features and not (skip_small and b.small)
+                    for features in grid_y_slices(tensors.bucket_features[k])]
     spec.launch_plans[key] = launches
     return launches

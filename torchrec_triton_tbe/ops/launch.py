@@ -214,6 +214,13 @@ def grid_y_chunks(n: int) -> list[tuple[int, int]]:
     return [(t0, min(n - t0, MAX_GRID_Y)) for t0 in range(0, max(n, 1), MAX_GRID_Y)]
 
 
+def grid_y_slices(features: torch.Tensor) -> list[torch.Tensor]:
+    """``features`` (a 1-D list a kernel reads its grid-y entries through) in slices of at most
+    MAX_GRID_Y: ``[features]`` itself where it fits (no view per call)."""
+    n = features.numel()
+    return [features] if n <= MAX_GRID_Y else [features[t0:t0 + m] for t0, m in grid_y_chunks(n)]
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side grid arithmetic. triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.6
     (each host call unwraps its arguments: ~2 µs, several per launch)."""
