@@ -854,6 +854,37 @@ def _fake_checkout(root, version="1"):
     return root
 
 
+def test_fbgemm_cuda_without_bf16_weights_is_a_recorded_skip(monkeypatch):
+    """FBGEMM 1.6.0's CUDA TBE raised "not implemented for emb_t 'BFloat16'" on a bf16 shape (H100,
+    2026-12-06), which lost ours' numbers too. Its bf16 passes on CUDA are now skipped with the reason a
+    one-table probe gives, where the probe names bf16; any other failure of the probe propagates, and
+    other weights never probe."""
+    import fbgemm_gpu.split_table_batched_embeddings_ops_training as fbgemm_training
+
+    from torchrec_triton_tbe.bench import runner
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(message)
+
+    monkeypatch.setattr(fbgemm_training, "SplitTableBatchedEmbeddingBagsCodegen", Refusing)
+    cuda = torch.device("cuda", 0)
+    case = lambda weights: dataclasses.replace(BenchCase(), weights_precision=weights)  # noqa: E731
+    w = lambda weights: type("W", (), {"case": case(weights)})()  # noqa: E731
+    message = '"batched_embedding_forward_kernel_2" not implemented for emb_t \'BFloat16\''
+    runner.fbgemm_cuda_bf16_failure.cache_clear()
+    reason = runner.skip_reason("fbgemm", w("bf16"), None, cuda)
+    assert reason.startswith("FBGEMM's CUDA TBE here runs no bf16 weights") and message in reason
+    message = "not asked again"
+    assert runner.skip_reason("fbgemm", w("bf16"), "exact_sgd", cuda) == reason  # once per process
+    assert runner.skip_reason("fbgemm", w("fp16"), None, cuda) is None
+    message = "CUDA out of memory"
+    runner.fbgemm_cuda_bf16_failure.cache_clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.skip_reason("fbgemm", w("bf16"), None, cuda)
+    runner.fbgemm_cuda_bf16_failure.cache_clear()
+
+
 def test_compare_options():
     parser = build_parser()
     assert parser.parse_args(["--compare", "fbgemm"]).compare == ("fbgemm",)
