@@ -854,35 +854,62 @@ def _fake_checkout(root, version="1"):
     return root
 
 
-def test_fbgemm_cuda_without_bf16_weights_is_a_recorded_skip(monkeypatch):
-    """FBGEMM 1.6.0's CUDA TBE raised "not implemented for emb_t 'BFloat16'" on a bf16 shape (H100,
-    2026-12-06), which lost ours' numbers too. Its bf16 passes on CUDA are now skipped with the reason a
-    one-table probe gives, where the probe names bf16; any other failure of the probe propagates, and
-    other weights never probe."""
+@pytest.fixture
+def bf16_probe(monkeypatch):
+    """runner.fbgemm_cuda_bf16_failure with FBGEMM's module replaced by one whose construction raises
+    ``probe.message``; its per-process cache cleared before and after (also when the test fails)."""
     import fbgemm_gpu.split_table_batched_embeddings_ops_training as fbgemm_training
 
     from torchrec_triton_tbe.bench import runner
 
+    probe = type("Probe", (), {"message": ""})()
+
     class Refusing:
         def __init__(self, *args, **kwargs):
-            raise RuntimeError(message)
+            raise RuntimeError(probe.message)
 
     monkeypatch.setattr(fbgemm_training, "SplitTableBatchedEmbeddingBagsCodegen", Refusing)
-    cuda = torch.device("cuda", 0)
-    case = lambda weights: dataclasses.replace(BenchCase(), weights_precision=weights)  # noqa: E731
-    w = lambda weights: type("W", (), {"case": case(weights)})()  # noqa: E731
-    message = '"batched_embedding_forward_kernel_2" not implemented for emb_t \'BFloat16\''
     runner.fbgemm_cuda_bf16_failure.cache_clear()
+    yield probe
+    runner.fbgemm_cuda_bf16_failure.cache_clear()
+
+
+def test_fbgemm_cuda_without_bf16_weights_is_a_recorded_skip(bf16_probe):
+    """FBGEMM 1.6.0's CUDA TBE raised "not implemented for emb_t 'BFloat16'" on a bf16 shape (H100,
+    2026-12-06), which lost ours' numbers too. Its bf16 passes on CUDA are now skipped with the reason a
+    one-table probe gives, where the probe names bf16; any other failure of the probe propagates, and
+    other weights never probe."""
+    from torchrec_triton_tbe.bench import runner
+
+    cuda = torch.device("cuda", 0)
+    def w(weights: str):
+        return type("W", (), {"case": dataclasses.replace(BenchCase(), weights_precision=weights)})()
+    bf16_probe.message = '"batched_embedding_forward_kernel_2" not implemented for emb_t \'BFloat16\''
     reason = runner.skip_reason("fbgemm", w("bf16"), None, cuda)
-    assert reason.startswith("FBGEMM's CUDA TBE here runs no bf16 weights") and message in reason
-    message = "not asked again"
+    assert reason.startswith("FBGEMM's CUDA TBE here runs no bf16 weights") and bf16_probe.message in reason
+    bf16_probe.message = "not asked again"
     assert runner.skip_reason("fbgemm", w("bf16"), "exact_sgd", cuda) == reason  # once per process
     assert runner.skip_reason("fbgemm", w("fp16"), None, cuda) is None
-    message = "CUDA out of memory"
+    bf16_probe.message = "CUDA out of memory"
     runner.fbgemm_cuda_bf16_failure.cache_clear()
     with pytest.raises(RuntimeError, match="out of memory"):
         runner.skip_reason("fbgemm", w("bf16"), None, cuda)
-    runner.fbgemm_cuda_bf16_failure.cache_clear()
+
+
+def test_a_check_with_nothing_to_compare_is_unchecked_not_ok():
+    """Where no kernel is compared with ours (FBGEMM skipped on the GPU, where the reference does not run,
+    and no peer), --check's verdict is None ("unchecked"), not a pass; one that compared stays ok."""
+    from torchrec_triton_tbe.bench import runner
+
+    case = BenchCase(batch_size=4, num_tables=2, num_embeddings=20, embedding_dim=8, bag_size=3, iters=1)
+    w = make_workload(case, torch.device("cpu"))
+    alone = runner.build_modules(w, "exact_sgd", RunOptions(device=torch.device("cpu")))
+    assert list(alone) == ["triton"]
+    check = runner.check_first_batch(alone, w, "exact_sgd")
+    assert check == {"ok": None}
+    checked = runner.check_first_batch(runner.build_modules(w, "exact_sgd", RunOptions(device=torch.device("cpu"))),
+                                       w, "exact_sgd", reference=True)
+    assert checked["ok"] is True and checked["reference"]["ok"] is True
 
 
 def test_compare_options():

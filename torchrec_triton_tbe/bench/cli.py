@@ -208,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     result["note"] = shape.note
                 workload = None  # free the batches before the next shape's
                 checks = result["check"] or {}
-                failed |= not all(c["ok"] for c in checks.values())
+                failed |= any(c["ok"] is False for c in checks.values())  # None: nothing to compare with
             except Exception:  # one broken shape must not lose a long suite's other results
                 failed = True
                 tb = traceback.format_exc()
