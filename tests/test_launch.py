@@ -171,3 +171,19 @@ def test_host_grid_arithmetic_matches_triton():
         assert launch_mod.next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 2, 3, 16, 1024):
             assert launch_mod.cdiv(a, b) == triton.cdiv(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_grid_y_slices_cover_every_entry_once_and_keep_the_specialization(dtype):
+    """Up to CUDA's 65,535 a feature list is one launch, itself (no view); past it, slices of at most
+    that many, each but the last 65,520 (a multiple of 16 entries), so every slice's pointer keeps the
+    whole list's 16-byte alignment and its arg_key: one compiled kernel for all slices."""
+    assert launch_mod.grid_y_chunks(0) == [(0, 0)] and launch_mod.grid_y_chunks(65535) == [(0, 65535)]
+    whole = torch.arange(65535, dtype=dtype)
+    assert launch_mod.grid_y_slices(whole)[0] is whole
+    for n in (65536, 2 * 65535 + 3):
+        features = torch.arange(n, dtype=dtype)
+        slices = launch_mod.grid_y_slices(features)
+        assert torch.equal(torch.cat(slices), features)
+        assert all(s.numel() <= launch_mod.MAX_GRID_Y for s in slices)
+        assert {launch_mod.arg_key((s,)) for s in slices} == {launch_mod.arg_key((features,))}

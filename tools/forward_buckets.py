@@ -27,7 +27,7 @@ from torchrec_triton_tbe.bench.runner import RunOptions, build_modules
 from torchrec_triton_tbe.config import tile_warps
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.ops import forward as fwd_ops
-from torchrec_triton_tbe.ops.launch import cdiv, launch
+from torchrec_triton_tbe.ops.launch import cdiv, grid_y_slices, launch
 
 LANES, GATHERS, BAGS = (1, 4, 8, 16), (4, 8, 16), (1,)  # each variant compiles once per BLOCK_D: keep it small
 
@@ -50,16 +50,19 @@ def main() -> None:
     # One launch per bucket whatever forward.grouped_max_batch says (this tool times the buckets apart).
     per_bucket = dataclasses.replace(spec, config=spec.config.replace_forward(grouped_max_batch=0))
     launches = fwd_ops._launches(per_bucket, B, N, False, m.weights.element_size(), None)
-    ks = [k for k, b in enumerate(spec.plan.buckets) if b.features]
+    # The bucket of each launch, in _launches' order: every bucket with features, in slices of at most
+    # one grid's second dimension (ops/launch.py grid_y_slices).
+    ks = [k for k, b in enumerate(spec.plan.buckets) if b.features
+          for _ in grid_y_slices(spec.tensors.bucket_features[k])]
+    assert len(ks) == len(launches), (len(ks), len(launches))
     out = torch.empty(B, spec.plan.total_D, dtype=spec.output_dtype, device=dev)
     warning = torch.zeros(1, dtype=torch.int64, device=dev)
     tensors = spec.tensors
     lookups = torch.diff(r.offsets.view(-1)[:: B].long()).tolist()  # per feature (host sync: fine here)
     rows = []
-    for k, (_, _, grid, cx, warps) in zip(ks, launches):
+    for k, (features, cols, grid, cx, warps, _) in zip(ks, launches):
         bucket = spec.plan.buckets[k]
-        fargs = (m.weights, r.indices, r.offsets, m.weights, out, tensors.bucket_features[k],
-                 tensors.bucket_features[k], tensors.feature_dim,
+        fargs = (m.weights, r.indices, r.offsets, m.weights, out, features, cols, tensors.feature_dim,
                  tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, warning, B,
                  spec.plan.total_D)
 
@@ -74,8 +77,8 @@ def main() -> None:
             nw = tile_warps(spec.config.forward.num_warps.get(bucket.block_d), lanes * gather * bucket.block_d)
             grid_ms[f"lanes={lanes},gather={gather},bags={bags}"] = timed(c, nw)
         best = min(grid_ms, key=grid_ms.get)
-        n = sum(lookups[f] for f in bucket.features)
-        rows.append(dict(block_d=bucket.block_d, features=len(bucket.features), lookups=n,
+        n = sum(lookups[f] for f in features.tolist())
+        rows.append(dict(block_d=bucket.block_d, features=features.numel(), lookups=n,
                          configured=f"lanes={cx['LANES']},gather={cx['GATHER']},bags={cx['BAGS']}",
                          configured_ms=configured, best=best, best_ms=grid_ms[best], grid_ms=grid_ms))
     print(f"{args.shape}: whole forward {whole:.3f} ms; sum of bucket launches "

@@ -210,8 +210,13 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions 1 and 2
 def grid_y_chunks(n: int) -> list[tuple[int, int]]:
     """(first entry, entries) of the launches that cover ``n`` grid-y entries (features), at most
     MAX_GRID_Y each: one launch, (0, n), up to the limit. FBGEMM's kernels take any feature count (1-D
-    grids over B * T)."""
-    return [(t0, min(n - t0, MAX_GRID_Y)) for t0 in range(0, max(n, 1), MAX_GRID_Y)]
+    grids over B * T). More start at multiples of 16 entries where the limit allows (65,520), so a
+    slice of a plan tensor keeps its 16-byte alignment and its launches the first slice's kernel: Triton
+    specializes pointers on it."""
+    if n <= MAX_GRID_Y:
+        return [(0, n)]
+    step = MAX_GRID_Y - MAX_GRID_Y % 16 if MAX_GRID_Y >= 16 else MAX_GRID_Y
+    return [(t0, min(n - t0, step)) for t0 in range(0, n, step)]
 
 
 def grid_y_slices(features: torch.Tensor) -> list[torch.Tensor]:
