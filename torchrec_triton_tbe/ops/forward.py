@@ -1,5 +1,5 @@
 """Launch the forward. Pooled: one launch per D bucket, grid [cdiv(B, bags_per_program * bag_lanes), T_k]
-(one per 65,535 of its features, CUDA's grid-y limit; spread over forward.bucket_streams streams when the
+(features in slices of at most 65,535, CUDA's grid-y limit; spread over forward.bucket_streams streams when the
 forward is large enough), or at batches of at most forward.grouped_max_batch one launch for every bucket,
 grid [cdiv(B, ...), E] over the features' column slices; small-table buckets (ops/small_table.py) first,
 on the caller's stream, where the call allows that path.
