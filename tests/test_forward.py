@@ -387,11 +387,12 @@ def test_grouped_forward_leaves_small_tables_to_their_path():
 def test_grouped_launch_leaves_grids_too_tall_to_the_bucket_launches(monkeypatch):
     # More slices than one grid's second dimension holds: the per-bucket launches, which fit, run instead.
     from torchrec_triton_tbe.ops import forward as fwd_ops
+    from torchrec_triton_tbe.ops import launch as launch_ops
 
     m, _ = make_pair(WIDE_SPECS, WIDE_FTM, oracle="reference", kernel_config=grouped(max_batch=8))
     slices = m.spec.tensors.grouped_features.numel()
     assert len(fwd_ops._launches(m.spec, 8, 40, False, 4)) == 1
-    monkeypatch.setattr(fwd_ops, "MAX_GRID_Y", slices - 1)
+    monkeypatch.setattr(launch_ops, "MAX_GRID_Y", slices - 1)
     m.spec.launch_plans.clear()
     launches = fwd_ops._launches(m.spec, 8, 40, False, 4)
     assert len(launches) == len(m.spec.plan.buckets) and not any(x[3]["COL_CHUNKS"] for x in launches)

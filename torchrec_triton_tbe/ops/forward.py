@@ -16,8 +16,8 @@ from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, REPAIR_
 from torchrec_triton_tbe.kernels.forward import _pooled_forward_kernel
 from torchrec_triton_tbe.kernels.sequence import _sequence_forward_kernel
 from torchrec_triton_tbe.ops import small_table
-from torchrec_triton_tbe.ops.launch import (MAX_GRID_Y, arg_key, bucket_streams, cdiv, grid_y_slices, joined, launch,
-                                           mean_bag_pow2)
+from torchrec_triton_tbe.ops import launch as launch_ops
+from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, grid_y_slices, joined, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
 
@@ -136,7 +136,7 @@ def grouped_buckets(spec: TBESpec, B: int, skip_small: bool) -> tuple[list, int]
     ks = [k for k, b in enumerate(spec.plan.buckets) if b.features and not (skip_small and b.small)]
     tensors = spec.tensors
     slices = tensors.grouped_generic if skip_small else tensors.grouped_features.numel()
-    return (ks, slices) if len(ks) > 1 and slices <= MAX_GRID_Y else ([], 0)
+    return (ks, slices) if len(ks) > 1 and slices <= launch_ops.MAX_GRID_Y else ([], 0)
 
 
 def _launches(spec: TBESpec, B: int, num_lookups: int, weighted: bool, weight_bytes: int,
