@@ -195,11 +195,11 @@ class TablePlan:
         """The small tables by width (with small_split: the small buckets' tables, in their order), in
         groups of at most MAX_GRID_Y: a group's launches take one feature (each table has one) per grid-y
         entry."""
-        groups, most = [], launch.MAX_GRID_Y
+        groups = []
         for w in sorted({block_d(self.dims[k]) for k in self.small_tables}):
             width = tuple(k for k in sorted(self.small_tables) if block_d(self.dims[k]) == w)
-            for i in range(0, len(width), most):
-                tables = width[i:i + most]
+            for i, n in launch.grid_y_chunks(len(width)):
+                tables = width[i:i + n]
                 members = frozenset(tables)
                 features = tuple(t for t, k in enumerate(self.feature_table_map) if k in members)
                 groups.append(SmallGroup(w, features, tables))

@@ -136,9 +136,10 @@ def fbgemm_cuda_bf16_failure(device: torch.device) -> Optional[str]:
         module(torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([0, 1], device=device))
         torch.cuda.synchronize(device)
     except RuntimeError as e:
-        if "bfloat16" not in str(e).lower() and "bf16" not in str(e).lower():
+        message = str(e)
+        if "bfloat16" not in message.lower() and "bf16" not in message.lower():
             raise
-        return f"FBGEMM's CUDA TBE here runs no bf16 weights (a one-table forward raised: {str(e)[:200]})"
+        return f"FBGEMM's CUDA TBE here runs no bf16 weights (a one-table forward raised: {message[:200]})"
     return None
 
 
