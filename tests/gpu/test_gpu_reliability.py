@@ -271,6 +271,43 @@ def test_500_tables_match_fbgemm_cuda():
         torch.testing.assert_close(a.float(), b.float(), **TOL[SparseType.FP16])
 
 
+@pytest.mark.parametrize("optimizer", [SGD, RWA])
+def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimizer):
+    """CUDA's grid dimension 1 holds 65,535 features; past it the forward, the per-sample weights'
+    gradient, the sort keys and the small-table groups launch in slices (ops/launch.grid_y_slices), which
+    the CPU tests check only with the limit patched down. Here for real: 100,000 features read two
+    16-wide tables (one of 40 rows, a small-table candidate) and a 4-wide one, 70,000 of them in the
+    BLOCK_D 16 bucket; weighted (the psw gradient too), then unweighted, against FBGEMM's CUDA TBE."""
+    T, nb = 100_000, 2
+    specs = [(1_000, 16), (40, 16), (300, 4)]
+    ftm = [0 if t % 10 < 4 else 1 if t % 10 < 7 else 2 for t in range(T)]
+    ours, fb = pair(specs=specs, ftm=ftm, optimizer=optimizer, learning_rate=0.05, eps=0.01,
+                    weights_precision=SparseType.FP32)
+    assert max(len(b.features) for b in ours.spec.plan.buckets) == 70_000
+    g = torch.Generator().manual_seed(11)
+    rows = torch.tensor([specs[k][0] for k in ftm]).repeat_interleave(nb)
+    for step, weighted in enumerate([True, False]):
+        lengths = torch.randint(0, 4, (T * nb,), generator=g)
+        off = torch.zeros(T * nb + 1, dtype=torch.int64)
+        off[1:] = lengths.cumsum(0)
+        idx = (torch.rand(int(off[-1]), generator=g) * rows.repeat_interleave(lengths)).long()
+        grad = torch.randn(nb, sum(specs[k][1] for k in ftm), generator=g).to(DEV)
+        psws, outs = [], []
+        for m in (ours, fb):
+            psw = torch.rand(idx.numel(), generator=torch.Generator().manual_seed(step)).to(DEV) if weighted else None
+            if psw is not None:
+                psw.requires_grad_(True)
+            out = m(idx.to(DEV), off.to(DEV), psw)
+            out.backward(grad)
+            psws.append(psw)
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[0], outs[1], **TOL[SparseType.FP32])
+        if weighted:
+            torch.testing.assert_close(psws[0].grad, psws[1].grad, **TOL[SparseType.FP32])
+        for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+            torch.testing.assert_close(a, b, **TOL[SparseType.FP32])
+
+
 @pytest.mark.parametrize("pooling,optimizer", list(itertools.product([PoolingMode.SUM, PoolingMode.MEAN], [SGD, RWA])))
 def test_batch_of_one_and_all_empty_batches(pooling, optimizer):
     ours, fb = pair(optimizer=optimizer, pooling_mode=pooling, learning_rate=0.05, eps=0.01,
