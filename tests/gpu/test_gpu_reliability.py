@@ -273,11 +273,12 @@ def test_500_tables_match_fbgemm_cuda():
 
 @pytest.mark.parametrize("optimizer", [SGD, RWA])
 def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimizer):
-    """CUDA's grid dimension 1 holds 65,535 features; past it the forward, the per-sample weights'
-    gradient, the sort keys and the small-table groups launch in slices (ops/launch.grid_y_slices), which
-    the CPU tests check only with the limit patched down. Here for real: 100,000 features read two
-    16-wide tables (one of 40 rows, a small-table candidate) and a 4-wide one, 70,000 of them in the
-    BLOCK_D 16 bucket; weighted (the psw gradient too), then unweighted, against FBGEMM's CUDA TBE."""
+    """CUDA's grid dimension 1 holds 65,535 features; past it the forward, the per-sample weights' gradient
+    and the sort keys launch in slices (ops/launch.grid_y_slices), which the CPU tests check only with the
+    limit patched down. Here for real: 100,000 features read two 16-wide tables and a 4-wide one, 70,000
+    of them in the BLOCK_D 16 bucket; weighted (the psw gradient too), then unweighted, against FBGEMM's
+    CUDA TBE: outputs, gradients, weights and optimizer state. (The small-table groups, sliced by table,
+    are not reached: a small table has one reader, and 65,536 of them are beyond this test.)"""
     T, nb = 100_000, 2
     specs = [(1_000, 16), (40, 16), (300, 4)]
     ftm = [0 if t % 10 < 4 else 1 if t % 10 < 7 else 2 for t in range(T)]
@@ -306,6 +307,9 @@ def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimiz
             torch.testing.assert_close(psws[0].grad, psws[1].grad, **TOL[SparseType.FP32])
         for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
             torch.testing.assert_close(a, b, **TOL[SparseType.FP32])
+        if optimizer == RWA:
+            for a, b in zip(ours.split_optimizer_states(), fb.split_optimizer_states()):
+                torch.testing.assert_close(a[0], b[0], **TOL[SparseType.FP32])
 
 
 @pytest.mark.parametrize("pooling,optimizer", list(itertools.product([PoolingMode.SUM, PoolingMode.MEAN], [SGD, RWA])))
