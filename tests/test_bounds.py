@@ -266,10 +266,11 @@ def test_the_offsets_scratch_survives_to_empty_and_the_precompile_dry_run():
 
     m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.WARNING)
     m._bounds_scratch.fill_(7)
+    m.bounds_check_warning.fill_(5)
     m.to_empty(device="cpu")
     assert m._bounds_scratch.tolist() == [0, 0]
     assert {"_bounds_scratch", "bounds_check_warning"} <= set(precompile_ops._KERNEL_WRITTEN)
-    m.bounds_check_warning.zero_()  # to_empty left it uninitialised too
+    assert int(m.bounds_check_warning) == 0  # no count to keep: to_empty zeroes it too
     precompile_ops.record_step(m, torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF))
     for round_ in (1, 2):
         offsets = torch.tensor([0, 2, 9, 4, 6, 6, 8])  # bag 1 ends past N, bag 2 starts after it ends

@@ -248,6 +248,32 @@ def test_a_move_takes_the_tables_along_and_a_cast_leaves_the_module_state_alone(
     _one_step_matches(ours, ref, "after a move to meta and back")
 
 
+def test_to_empty_zeroes_the_warning_count_also_through_a_parent_and_a_move_keeps_it():
+    """``to_empty`` leaves every buffer uninitialised, so the WARNING count has nothing to keep: zero after
+    it, also when a parent's ``to_empty`` runs (it reaches the module's ``_apply`` only, where the module
+    recognises torch's to_empty function: also onto another device, tests/gpu/test_gpu_reliability.py),
+    while a move or a clone of the buffers keeps the count."""
+    from torchrec_triton_tbe import module as module_mod
+
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def _apply(self, fn, recurse=True):
+            seen.append(fn)
+            return self
+
+    Spy().to_empty(device="cpu")
+    Spy().to("cpu")
+    assert module_mod._is_to_empty(seen[0]) and not module_mod._is_to_empty(seen[1])
+    ours = TritonTBE([(8, 4)], device="cpu")
+    parent = torch.nn.ModuleDict({"tbe": ours})
+    ours.bounds_check_warning.fill_(3)
+    parent._apply(lambda t: t.clone())  # same device, new buffers: a copy keeps the count
+    assert int(ours.bounds_check_warning) == 3
+    parent.to_empty(device="cpu")
+    assert int(ours.bounds_check_warning) == 0
+
+
 @pytest.mark.parametrize("optimizer,precision", [
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, SparseType.FP32),
     (EmbOptimType.EXACT_ADAGRAD, SparseType.FP16),

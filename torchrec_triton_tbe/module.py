@@ -71,6 +71,14 @@ def _resolve_device(device, specs) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_to_empty(fn) -> bool:
+    """Whether ``fn``, handed to ``Module._apply``, is ``Module.to_empty``'s (every buffer uninitialised),
+    whichever module's ``to_empty`` was called: a parent's reaches this module's ``_apply`` only. By its
+    qualified name (one lambda in torch's to_empty since 2.1); were it renamed, a cross-device ``to_empty``
+    would keep the WARNING count as a move does (tests/test_module.py checks the name on the installed torch)."""
+    return getattr(fn, "__qualname__", None) == "Module.to_empty.<locals>.<lambda>"
+
+
 class TritonTBE(nn.Module):
     """Drop-in for ``fbgemm_gpu``'s ``SplitTableBatchedEmbeddingBagsCodegen`` (pooled, training).
 
@@ -315,9 +323,8 @@ class TritonTBE(nn.Module):
         # another stream): the offsets check's scratch, zero at every launch (kernels/bounds.py); the row
         # that empty tables' lookups read, zero (TablePlan.empty_row_offset); the learning rate and
         # hyper-parameters, whose host view decides whether a later update writes them at all
-        # (update_hyper_parameters); the WARNING count, where it has no value to keep (to_empty on its
-        # device, or materialised from meta; to_empty onto another device looks like a move, which keeps
-        # the count, and leaves it as to_empty left it).
+        # (update_hyper_parameters); the WARNING count, where it has no value to keep (to_empty onto any
+        # device, also through a parent module's, or materialised from meta; a move or a copy keeps it).
         def replaced(name):
             t = b.get(name)
             return t is not None and t is not before.get(name) and not t.is_meta
@@ -333,7 +340,7 @@ class TritonTBE(nn.Module):
             if replaced("optimizer_hyper"):
                 b["optimizer_hyper"].copy_(torch.tensor([self._hyper_host[n] for n in HYPER_FIELDS]))
             old = before.get("bounds_check_warning")
-            if replaced("bounds_check_warning") and (old.is_meta or old.device == b["bounds_check_warning"].device):
+            if replaced("bounds_check_warning") and (_is_to_empty(fn) or old.is_meta):
                 b["bounds_check_warning"].zero_()
         return out
 

@@ -16,7 +16,7 @@ import torch
 from gpu_cases import DEV, FTM, SPECS, TOL, batch, pair
 from tbe_cases import checked_optimizer_spec
 
-from torchrec_triton_tbe._fbgemm import EmbOptimType, PoolingMode, SparseType
+from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.reference import ReferenceTBE
@@ -310,6 +310,25 @@ def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimiz
         if optimizer == RWA:
             for a, b in zip(ours.split_optimizer_states(), fb.split_optimizer_states()):
                 torch.testing.assert_close(a[0], b[0], **TOL[SparseType.FP32])
+
+
+def test_to_empty_onto_the_gpu_zeroes_the_warning_count_and_a_move_keeps_it():
+    """A module built on the CPU: ``.to`` the GPU carries its WARNING count over; ``to_empty`` onto the GPU
+    (directly or through a parent) leaves nothing to keep, so the count is zero, not the new buffer's
+    garbage, and a bad batch afterwards counts from zero."""
+    for how in ("move", "to_empty", "parent"):
+        m = TritonTBE([(8, 4)], device="cpu", bounds_check_mode=BoundsCheckMode.WARNING)
+        m.bounds_check_warning.fill_(3)
+        if how == "move":
+            m.to(DEV)
+        elif how == "to_empty":
+            m.to_empty(device=DEV)
+        else:
+            torch.nn.ModuleDict({"tbe": m}).to_empty(device=DEV)
+        assert m.bounds_check_warning.device.type == "cuda"
+        assert int(m.bounds_check_warning) == (3 if how == "move" else 0), how
+        m(torch.tensor([1, 9], device=DEV), torch.tensor([0, 1, 2], device=DEV))  # id 9 of 8 rows
+        assert int(m.bounds_check_warning) == (4 if how == "move" else 1), how
 
 
 @pytest.mark.parametrize("pooling,optimizer", list(itertools.product([PoolingMode.SUM, PoolingMode.MEAN], [SGD, RWA])))
