@@ -293,11 +293,10 @@ def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimiz
         off[1:] = lengths.cumsum(0)
         idx = (torch.rand(int(off[-1]), generator=g) * rows.repeat_interleave(lengths)).long()
         grad = torch.randn(nb, sum(specs[k][1] for k in ftm), generator=g).to(DEV)
+        weights = torch.rand(idx.numel(), generator=torch.Generator().manual_seed(step)).to(DEV) if weighted else None
         psws, outs = [], []
         for m in (ours, fb):
-            psw = torch.rand(idx.numel(), generator=torch.Generator().manual_seed(step)).to(DEV) if weighted else None
-            if psw is not None:
-                psw.requires_grad_(True)
+            psw = weights.clone().requires_grad_(True) if weighted else None
             out = m(idx.to(DEV), off.to(DEV), psw)
             out.backward(grad)
             psws.append(psw)

@@ -137,7 +137,8 @@ def fbgemm_cuda_bf16_failure(device: torch.device) -> Optional[str]:
         torch.cuda.synchronize(device)
     except RuntimeError as e:
         message = str(e)
-        if "bfloat16" not in message.lower() and "bf16" not in message.lower():
+        lowered = message.lower()
+        if "bfloat16" not in lowered and "bf16" not in lowered:
             raise
         return f"FBGEMM's CUDA TBE here runs no bf16 weights (a one-table forward raised: {message[:200]})"
     return None
