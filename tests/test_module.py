@@ -525,6 +525,40 @@ def test_a_training_forward_copies_its_count_only_where_the_update_reads_it(opti
     assert int(m.iter) == 2 * counts
 
 
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.NONE], ids=["pooled", "sequence"])
+def test_the_forwards_first_launch_advances_the_count(pooling):
+    """The count's advance and its backward's copy ride on the forward's first launch (ADVANCE: its first
+    program), not on torch ops of their own. With the launches recorded and none run, the count has not
+    moved, and only the first launch carries the module's count and the copy the backward applies.
+    Where a forward launches nothing (an empty batch), torch ops advance it: one per forward either way."""
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    m = TritonTBE(SPECS if pooling == PoolingMode.SUM else [(10, 8), (6, 8)], device="cpu", pooling_mode=pooling,
+                  optimizer=EmbOptimType.EXACT_SGD, weights_precision=SparseType.FP16, stochastic_rounding=True)
+    m.precompile_first_step = False
+    assert m.spec.reads_step_count and m.spec.advances_step_count
+    ids, offs = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
+    recorded: list = []
+    with launch_ops.recording(recorded):
+        out = m(ids, offs)
+    forwards = [r for r in recorded if r.kernel.__name__ in ("_pooled_forward_kernel", "_sequence_forward_kernel")]
+    assert forwards and int(m.iter) == 0
+    saved = out.grad_fn.step.saved
+    assert saved is not m.iter
+    assert forwards[0].constexprs.get("ADVANCE") is True
+    assert forwards[0].args[-2] is m.iter and forwards[0].args[-1] is saved
+    assert not any(r.constexprs.get("ADVANCE") for r in forwards[1:])
+    # Run: training forwards (their own copies), a no_grad one, an empty batch's.
+    first = m(ids, offs)
+    second = m(ids[:2], offs[:3])
+    with torch.no_grad():
+        m(ids, offs)
+    empty = m(ids[:0], torch.zeros(1, dtype=torch.int64))
+    assert empty.numel() == 0
+    counts = [int(o.grad_fn.step.saved) for o in (first, second, empty)]
+    assert counts == [1, 2, 4] and int(m.iter) == 4
+
+
 def test_a_repeated_backward_applies_its_forwards_step_count(monkeypatch):
     """A backward run again (retain_graph, or a retry after the non-finite guard raised) after later
     forwards applies its own forward's count, as FBGEMM's, whose backward keeps the count it was given."""

@@ -313,3 +313,33 @@ def test_hoisted_transpose_changes_nothing_on_the_small_path():
     for a, b in zip(plain.split_embedding_weights(), hoisted.split_embedding_weights()):
         assert torch.equal(a, b)
     assert torch.equal(plain.momentum1, hoisted.momentum1)
+
+
+def test_a_forward_of_small_tables_only_advances_its_count(monkeypatch):
+    """Every table on the small-table path: the forward has no generic launch to carry the step count's
+    advance (ops/forward.StepAdvance), and torch ops advance it instead, one per forward, with the copy
+    its backward applies; the tables train as on the generic path."""
+    kw = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16,
+              stochastic_rounding=True, learning_rate=0.2)
+    specs = [(9, 8), (5, 4)]
+    a, _ = make_pair(specs, None, oracle="reference", seed=3, kernel_config=SMALL, **kw)
+    b, _ = make_pair(specs, None, oracle="reference", seed=3, kernel_config=BASE, **kw)
+    assert a.spec.reads_step_count and all(bucket.small for bucket in a.spec.plan.buckets)
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+
+    by_torch_ops = []
+    real = fwd_ops.advance_by_torch_ops
+    monkeypatch.setattr(fwd_ops, "advance_by_torch_ops", lambda advance: (by_torch_ops.append(advance), real(advance)))
+    g = torch.Generator().manual_seed(4)
+    for step in range(2):
+        batch = skewed_batch([r for r, _ in specs], [0, 1], B=5, max_L=6, generator=g)
+        grad = torch.randn(5, 12, generator=g)
+        outs = [m(batch.indices, batch.offsets) for m in (a, b)]
+        assert int(outs[0].grad_fn.step.saved) == int(a.iter) == step + 1
+        for out in outs:
+            out.backward(grad)
+    assert int(a.iter) == int(b.iter) == 2
+    # Only the small-table module's forwards took the torch ops (b's first launch advanced b's count).
+    assert [advance.count is a.iter for advance in by_torch_ops] == [True, True]
+    for x, y in zip(a.split_embedding_weights(), b.split_embedding_weights()):
+        assert_close(x, y, "weights", atol=1e-3, rtol=1e-3)

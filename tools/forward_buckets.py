@@ -64,7 +64,7 @@ def main() -> None:
         bucket = spec.plan.buckets[k]
         fargs = (m.weights, r.indices, r.offsets, m.weights, out, features, cols, tensors.feature_dim,
                  tensors.feature_weight_offset, tensors.feature_out_offset, tensors.feature_rows, warning, B,
-                 spec.plan.total_D)
+                 spec.plan.total_D, warning, warning)  # the step count pointers: unused without ADVANCE
 
         def timed(c: dict, nw: int) -> float:
             g = (cdiv(B, c["BAGS"] * c["LANES"]), grid[1])

@@ -74,9 +74,10 @@ class StepVersion(_Saved):
     backward's bias correction is its own forward's count whatever ran in between (an eval forward,
     TorchRec's semi-synchronous pipeline, which runs the next batch's lookup before this one's backward,
     ``set_optimizer_step``, a checkpoint load). The module's forward advances its ``iter`` buffer and,
-    when autograd recorded the forward (a backward may come, also again: a retry after an error,
-    ``retain_graph``), copies the new count into ``saved``: one small device copy per training forward,
-    made on the forward's stream, which is where autograd runs its backward. The backward applies that
+    when autograd records the forward (a backward may come, also again: a retry after an error,
+    ``retain_graph``), writes the new count into ``saved``, a tensor of its own: both in the forward's
+    first launch (ops/forward.StepAdvance), on the forward's stream, which is where autograd runs its
+    backward. The backward applies that
     copy and never reads ``iter``, so nothing it does races with later forwards on other streams. An
     update that does not use the count (``TBESpec.reads_step_count``: SGD, Adagrad, LARS without
     stochastic rounding) gets ``iter`` itself, no copy: its kernels take the pointer and use no value."""
@@ -140,11 +141,14 @@ class TBEFunction(torch.autograd.Function):
         place and it is returned. ``hyper`` / ``step``: the module's current HyperVersion and this
         forward's StepVersion, whose values the backward applies."""
         spec = call.spec
+        # The forward's first launch advances the count and writes the backward's copy, step.saved
+        # (TritonTBE.forward).
+        advance = fwd_ops.StepAdvance(call.state.step, step.saved) if spec.advances_step_count else None
         if spec.nobag:
-            out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B)
+            out = fwd_ops.sequence_forward(spec, call.state.weights, indices, offsets, call.B, advance)
         else:
             out = fwd_ops.pooled_forward(
-                spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning, vbe
+                spec, call.state.weights, indices, offsets, per_sample_weights, call.B, call.warning, vbe, advance
             )
         if vbe_output is not None:
             ctx.mark_dirty(vbe_output)

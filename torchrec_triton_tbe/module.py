@@ -433,23 +433,22 @@ class TritonTBE(nn.Module):
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
         )
         call = self._lookup_call(spec, B, bufs)
+        # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
+        # count; FBGEMM's SGD, Adagrad and LARS forwards leave it, and so do these unless stochastic
+        # rounding seeds from it (TBESpec.advances_step_count). The forward's first launch advances it
+        # (ops/forward.StepAdvance), after this call's checks: as in FBGEMM, whose forward advances it
+        # before its lookup, a forward that fails past them may have counted. A forward autograd records
+        # gets its own copy of the new count for its backward (autograd.StepVersion) where the update
+        # reads it; where it does not (SGD, Adagrad, LARS without stochastic rounding) the backward gets
+        # the buffer itself, whose value it does not use.
         step = StepVersion()
-        out = TBEFunction.apply(
+        step.saved = self.iter
+        if spec.reads_step_count and torch.is_grad_enabled():
+            step.saved = torch.empty_like(self.iter)
+        return TBEFunction.apply(
             self.placeholder_autograd_tensor, indices, offsets, per_sample_weights, feature_requires_grad,
             None if vbe is None else vbe.output, call, vbe, self._hyper_version, step,
         )
-        # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that
-        # count; FBGEMM's SGD, Adagrad and LARS forwards leave it, and so do these unless stochastic
-        # rounding seeds from it (TBESpec.advances_step_count). Advanced once the forward has not raised
-        # (no kernel of it reads the count); a forward autograd recorded keeps a copy of its count for its
-        # backward (autograd.StepVersion) where the update reads it. Where it does not (SGD, Adagrad, LARS
-        # without stochastic rounding) the backward gets the buffer itself, whose value it does not use:
-        # launch-bound batches wait for every launch the host issues.
-        if spec.advances_step_count:
-            self.iter.add_(1)
-        if torch.is_grad_enabled():
-            step.saved = self.iter.clone() if spec.reads_step_count else self.iter
-        return out
 
     @property
     def _count_device(self) -> torch.device:

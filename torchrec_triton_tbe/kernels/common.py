@@ -30,3 +30,16 @@ def out_row_start(out_offset_ptr, o_col, t, b, B, total_D, m, OUT_MAP: tl.conste
     if OUT_MAP:
         return tl.load(out_offset_ptr + t.to(tl.int64) * B + b, mask=m, other=0)
     return b.to(tl.int64) * total_D + o_col
+
+
+@triton.jit
+def advance_step_count(count_ptr, saved_ptr, first):
+    """Called under a forward's ADVANCE (its first launch); ``first``: whether this is that launch's
+    first program, which adds 1 to the module's step count and writes the new value to ``saved_ptr``
+    too (the backward's copy; ``count_ptr`` itself where no update reads it). In the forward's launch
+    instead of two torch ops (``add_``, ``clone``): on launch-bound batches each device launch the host
+    issues costs as much as a small kernel."""
+    if first:
+        count = tl.load(count_ptr) + 1
+        tl.store(count_ptr, count)
+        tl.store(saved_ptr, count)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from torchrec_triton_tbe.kernels.bounds import REPAIR_COUNT, REPAIR_OFF, repair_indices, repaired_view
-from torchrec_triton_tbe.kernels.common import bag_bounds, column_mask, out_row_start
+from torchrec_triton_tbe.kernels.common import advance_step_count, bag_bounds, column_mask, out_row_start
 
 
 @triton.jit
@@ -171,6 +171,8 @@ def _pooled_forward_kernel(
     warning_ptr,
     B,
     total_D,
+    count_ptr,
+    count_saved_ptr,
     POOLING_MEAN: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BOUNDS_MODE: tl.constexpr,
@@ -187,6 +189,7 @@ def _pooled_forward_kernel(
     NARROW_LANES: tl.constexpr = 1,
     NARROW2: tl.constexpr = 0,
     NARROW2_LANES: tl.constexpr = 1,
+    ADVANCE: tl.constexpr = False,
 ):
     """
     One program = BAGS * LANES consecutive bags of one feature of this D bucket
@@ -205,6 +208,8 @@ def _pooled_forward_kernel(
         bucket_features_ptr[program_id(1)] (a multiple of BLOCK_D); otherwise unused.
     feature_*_ptr: per-feature layout tables (see plan.PlanTensors).
     warning_ptr: int64[1] counter of repaired indices (BOUNDS_MODE == WARNING).
+    count_ptr, count_saved_ptr: int64[1] the step count and its copy for the backward (ADVANCE: program
+        (0, 0) advances the count, common.advance_step_count; otherwise unused).
     EVEN_D: every feature of the bucket has D == BLOCK_D, so no column mask is needed.
     ALIGN: a power of two dividing every row start and output row start (elements): lets the compiler
         emit 16-byte vector loads although D is only known at run time.
@@ -216,6 +221,8 @@ def _pooled_forward_kernel(
         and the rest as more ids per step. Powers of two, NARROW < NARROW2 < BLOCK_D.
     """
     pid_b = tl.program_id(0)
+    if ADVANCE:
+        advance_step_count(count_ptr, count_saved_ptr, (pid_b == 0) & (tl.program_id(1) == 0))
     t = tl.load(bucket_features_ptr + tl.program_id(1))
     c0 = 0
     if COL_CHUNKS:

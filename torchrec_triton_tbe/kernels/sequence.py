@@ -13,7 +13,7 @@ bandwidth.
 import triton
 import triton.language as tl
 
-from torchrec_triton_tbe.kernels.common import column_mask
+from torchrec_triton_tbe.kernels.common import advance_step_count, column_mask
 
 
 @triton.jit
@@ -27,11 +27,14 @@ def _sequence_forward_kernel(
     B,
     T,
     D,
+    count_ptr,
+    count_saved_ptr,
     SEARCH_STEPS: tl.constexpr,
     EVEN_D: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    ADVANCE: tl.constexpr = False,
 ):
     """
     Grid: [cdiv(N, BLOCK_P)].
@@ -40,7 +43,10 @@ def _sequence_forward_kernel(
     indices_ptr: [N] ids; offsets_ptr: [T*B + 1], feature t owns lookups [offsets[t*B], offsets[(t+1)*B]).
     out_ptr: [N, D] output.
     SEARCH_STEPS: bit length of T (binary search steps over the T + 1 feature starts).
+    count_ptr, count_saved_ptr, ADVANCE: the step count (forward.py's kernel).
     """
+    if ADVANCE:
+        advance_step_count(count_ptr, count_saved_ptr, tl.program_id(0) == 0)
     p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = p < N
     # Largest t in [0, T] with offsets[t*B] <= p (lo), by bisection on [lo, hi).

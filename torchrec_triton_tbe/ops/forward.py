@@ -7,7 +7,7 @@ Sequence (PoolingMode.NONE): one launch over the lookups, grid [cdiv(N, sequence
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -20,6 +20,26 @@ from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops.launch import arg_key, bucket_streams, cdiv, grid_y_slices, joined, launch, mean_bag_pow2
 from torchrec_triton_tbe.ops.spec import Bounds, TBESpec
 from torchrec_triton_tbe.ops.vbe import VBELayout
+
+
+class StepAdvance(NamedTuple):
+    """A forward's step count: ``count`` (the module's ``iter``) goes up by 1 and the new value is written
+    to ``saved`` too (the copy its backward applies; ``count`` itself where no update reads one). The
+    forward's first launch does both (kernels/common.advance_step_count) instead of two torch ops
+    (``add_``, ``clone``) of their own: on launch-bound batches each launch the host issues counts, and
+    on FBGEMM's default shape those were two of the training forward's three."""
+
+    count: torch.Tensor
+    saved: torch.Tensor
+
+
+def advance_by_torch_ops(advance: Optional[StepAdvance]) -> None:
+    """The same advance where the call launches no kernel of its own (an empty batch; every bag on the
+    small-table path)."""
+    if advance is not None:
+        advance.count.add_(1)
+        if advance.saved is not advance.count:
+            advance.saved.copy_(advance.count)
 
 
 def fused_repair_mode(spec: TBESpec) -> int:
@@ -55,9 +75,11 @@ def pooled_forward(
     B: int,
     warning: torch.Tensor,
     vbe: Optional[VBELayout] = None,
+    advance: Optional[StepAdvance] = None,
 ) -> torch.Tensor:
     """[B, total_D]; with ``vbe`` (variable batch, ops/vbe.py: ``offsets`` padded, B the padded batch) the
-    1-D VBE output, or the caller's ``vbe.output`` written in place."""
+    1-D VBE output, or the caller's ``vbe.output`` written in place. ``advance``: the step count this
+    forward advances (None: none)."""
     plan, tensors = spec.plan, spec.tensors
     if vbe is None:
         out = torch.empty(B, plan.total_D, dtype=spec.output_dtype, device=weights.device)
@@ -65,12 +87,15 @@ def pooled_forward(
         out = vbe.output if vbe.output is not None else torch.empty(
             vbe.out_size, dtype=spec.output_dtype, device=weights.device)
     if B == 0:
+        advance_by_torch_ops(advance)
         return out
     weighted = per_sample_weights is not None
     out_offset = tensors.feature_out_offset if vbe is None else vbe.out_map
     out_align = None if vbe is None else vbe.out_align
     small = small_table.applies(spec, vbe, "forward")
     launches = _launches(spec, B, indices.numel(), weighted, weights.element_size(), out_align, small)
+    if not launches:
+        advance_by_torch_ops(advance)
     if small:
         for g, group in enumerate(spec.plan.small_groups):
             if group.features:
@@ -82,9 +107,13 @@ def pooled_forward(
     # arg_key(args) element for element, which is what precompile's entries are stored under.
     head = arg_key((weights, indices, offsets, psw, out))
     mid = arg_key((out_offset,))
-    tail = arg_key((warning, B, plan.total_D))
+    # Without an advance the count's two pointers are the warning counter's (int64[1], never read).
+    count, saved = (warning, warning) if advance is None else advance
+    tail = arg_key((warning, B, plan.total_D, count, saved))
     with joined(streams, weights.device):  # also when a launch raises: see launch.joined
         for i, (features, cols, grid, constexprs, warps, (plan_a, plan_b)) in enumerate(launches):
+            if i == 0 and advance is not None:  # on the caller's stream (bucket_streams' first)
+                constexprs = {**constexprs, "ADVANCE": True}
             args = (
                 weights,
                 indices,
@@ -100,6 +129,8 @@ def pooled_forward(
                 warning,
                 B,
                 plan.total_D,
+                count,
+                saved,
             )
             launch(_pooled_forward_kernel, grid, args, constexprs, warps, key=head + plan_a + mid + plan_b + tail,
                    stream=streams[i % len(streams)] if streams else None)
@@ -107,20 +138,23 @@ def pooled_forward(
 
 
 def sequence_forward(spec: TBESpec, weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-                     B: int) -> torch.Tensor:
-    """[N, D]: every lookup's row (ids already checked / repaired by the bounds-check mode)."""
+                     B: int, advance: Optional[StepAdvance] = None) -> torch.Tensor:
+    """[N, D]: every lookup's row (ids already checked / repaired by the bounds-check mode). ``advance``:
+    as pooled_forward's."""
     plan, cfg = spec.plan, spec.config.forward
     N, D = indices.numel(), plan.max_D
     out = torch.empty(N, D, dtype=spec.output_dtype, device=weights.device)
     if N == 0:
+        advance_by_torch_ops(advance)
         return out
     bd = plan.buckets[0].block_d
+    count, saved = (out, out) if advance is None else advance  # unused without ADVANCE
     launch(
         _sequence_forward_kernel,
         (cdiv(N, cfg.sequence_block),),
-        (weights, indices, offsets, out, spec.tensors.feature_weight_offset, N, B, plan.num_features, D),
+        (weights, indices, offsets, out, spec.tensors.feature_weight_offset, N, B, plan.num_features, D, count, saved),
         dict(SEARCH_STEPS=(plan.num_features + 1).bit_length(), EVEN_D=spec.bucket_even_d[0],
-             ALIGN=spec.bucket_align[0], BLOCK_D=bd, BLOCK_P=cfg.sequence_block),
+             ALIGN=spec.bucket_align[0], BLOCK_D=bd, BLOCK_P=cfg.sequence_block, ADVANCE=advance is not None),
         tile_warps(cfg.sequence_warps, cfg.sequence_block * bd),
     )
     return out

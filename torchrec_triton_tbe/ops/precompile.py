@@ -99,7 +99,8 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     """The launches one training step of ``module`` on this batch issues, without running any of them
     (see the module docstring); the module's state is as before."""
     # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
-    # buffers (the forward's step count does), all of them small. Snapshot, restore after.
+    # buffers (the forward's step count, where no launch carries it: ops/forward.advance_by_torch_ops),
+    # all of them small. Snapshot, restore after.
     # The snapshot reads the step count: after the last forward's stream (another one may still be
     # advancing it); the restore writes it here, so this stream stays the count's last writer.
     module._follow_last_stream()
