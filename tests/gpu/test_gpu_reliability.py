@@ -312,18 +312,23 @@ def test_more_features_in_one_bucket_than_a_grid_holds_match_fbgemm_cuda(optimiz
 
 
 def test_to_empty_onto_the_gpu_zeroes_the_warning_count_and_a_move_keeps_it():
-    """A module built on the CPU: ``.to`` the GPU carries its WARNING count over; ``to_empty`` onto the GPU
-    (directly or through a parent) leaves nothing to keep, so the count is zero, not the new buffer's
-    garbage, and a bad batch afterwards counts from zero."""
-    for how in ("move", "to_empty", "parent"):
-        m = TritonTBE([(8, 4)], device="cpu", bounds_check_mode=BoundsCheckMode.WARNING)
+    """A module on the CPU (built on the GPU and moved there: a CPU module cannot be built on a GPU host,
+    whose Triton does not interpret; ``model.cpu()`` works): ``.to`` the GPU carries its WARNING count
+    over; ``to_empty`` onto the GPU (directly, through a parent, or from meta) leaves nothing to keep, so
+    the count is zero, not the new buffer's garbage, and a bad batch afterwards counts from zero."""
+    for how in ("move", "to_empty", "parent", "meta"):
+        m = TritonTBE([(8, 4)], device=DEV, bounds_check_mode=BoundsCheckMode.WARNING)
         m.bounds_check_warning.fill_(3)
+        m.cpu()
+        assert m.bounds_check_warning.device.type == "cpu" and int(m.bounds_check_warning) == 3
         if how == "move":
             m.to(DEV)
         elif how == "to_empty":
             m.to_empty(device=DEV)
-        else:
+        elif how == "parent":
             torch.nn.ModuleDict({"tbe": m}).to_empty(device=DEV)
+        else:
+            m.to("meta").to_empty(device=DEV)
         assert m.bounds_check_warning.device.type == "cuda"
         assert int(m.bounds_check_warning) == (3 if how == "move" else 0), how
         m(torch.tensor([1, 9], device=DEV), torch.tensor([0, 1, 2], device=DEV))  # id 9 of 8 rows
