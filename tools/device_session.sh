@@ -33,6 +33,9 @@
 #               suite's shapes that fit two modules with Adam-sized state (OPT_SHAPES)
 #   streams     the pooled forward with its D-bucket launches spread over STREAMS_LIST streams (variant
 #               configs of configs/sm90.yaml), on the multi-bucket STREAM_SHAPES, then the GPU stream test
+#   host-loop   tools/host_forward_loop.py (back-to-back training forwards, FBGEMM's default shape) on the .ab
+#               tree (as for ab) and on this tree, HOST_LOOP_PROCS (default 3) alternating fresh processes
+#               each, for HOST_LOOP_OPTIMIZERS (default sgd rwa)
 #   host-suite  tools/host_profile.py --suite-shape on HOST_SHAPES (shape or shape:batch; default
 #               prod_t40_b16k:8192 prod_t100_b2k): host issue vs event time, ours and FBGEMM's, cProfile
 #   streams-procs  the pooled forward with STREAMS_LIST bucket streams (default 1 4; N@C: with
@@ -107,6 +110,16 @@ for step in "$@"; do
       for o in rowwise sgd; do
         (cd tools && timeout 150 python host_profile.py --shape default --optimizer $o --json "$OUT/host_default_$o.json" \
           2>&1 | quiet | grep -v "UserWarning\|_warn_once\|run_backward" | head -7)
+      done ;;
+    host-loop)
+      base=$(ls -d .ab/*/ 2> /dev/null | head -1); base=${base%/}
+      [ -n "$base" ] || { echo "host-loop: no .ab/<commit> tree: make one (see ab) and carry .ab"; continue; }
+      for i in $(seq "${HOST_LOOP_PROCS:-3}"); do
+        for tree in "$PWD/$base" "$PWD"; do
+          for o in ${HOST_LOOP_OPTIMIZERS:-sgd rwa}; do
+            PYTHONPATH=/tmp/site:$tree timeout 60 python tools/host_forward_loop.py "$o" 2>&1 | tail -1
+          done
+        done
       done ;;
     host-suite)
       # HOST_SHAPES entries: a suite shape, or shape:batch
