@@ -50,6 +50,9 @@ KNOWN_SPILLS_SM90 = {
     ("_backward_short_kernel", 32, 16, 1),
     ("_backward_short_kernel", 2048, 1, 8),
     ("_psw_grad_kernel", 2048, None, 1),
+    # bf16 rows, int32 ids, BOUNDS_MODE 2 (IGNORE's repair), 8 lanes x 2 ids: an 8-byte stack frame, the
+    # same at 24ae746; the covering set reached it once the forward's ADVANCE constexpr joined it.
+    ("_pooled_forward_kernel", 64, None, 1),
     ("_sequence_forward_kernel", 1024, None, 4),  # 32 lookups x 4 warps of a 1024-wide row
     ("_sequence_forward_kernel", 2048, None, 4),
     ("_small_forward_kernel", 64, None, 4),  # the small-table forward, off in configs/sm90.yaml

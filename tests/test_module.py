@@ -525,24 +525,34 @@ def test_a_training_forward_copies_its_count_only_where_the_update_reads_it(opti
     assert int(m.iter) == 2 * counts
 
 
-@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.NONE], ids=["pooled", "sequence"])
-def test_the_forwards_first_launch_advances_the_count(pooling):
-    """The count's advance and its backward's copy ride on the forward's first launch (ADVANCE: its first
-    program), not on torch ops of their own. With the launches recorded and none run, the count has not
-    moved, and only the first launch carries the module's count and the copy the backward applies.
-    Where a forward launches nothing (an empty batch), torch ops advance it: one per forward either way."""
+@pytest.mark.parametrize("pooling,B,grid_y", [(PoolingMode.SUM, 2, None), (PoolingMode.SUM, 5, None),
+                                               (PoolingMode.SUM, 5, 1), (PoolingMode.NONE, 2, None)],
+                         ids=["pooled_grouped", "pooled_per_bucket", "pooled_sliced", "sequence"])
+def test_the_forwards_first_launch_advances_the_count(pooling, B, grid_y, monkeypatch):
+    """The count's advance and its backward's copy ride on the forward's first pooled / sequence launch
+    (ADVANCE: its first program), not on torch ops of their own: in one grouped launch (B = 2, at most the
+    interpreter config's grouped_max_batch), in one launch per D bucket (B = 5), and with each bucket's
+    features sliced one per launch (CUDA's grid-y limit shrunk to 1). With the launches recorded and none
+    run, the count has not moved, and only the first launch carries the module's count and the copy the
+    backward applies. Run, it moves once per forward; where a forward launches nothing (an empty batch),
+    torch ops advance it."""
     from torchrec_triton_tbe.ops import launch as launch_ops
 
-    m = TritonTBE(SPECS if pooling == PoolingMode.SUM else [(10, 8), (6, 8)], device="cpu", pooling_mode=pooling,
-                  optimizer=EmbOptimType.EXACT_SGD, weights_precision=SparseType.FP16, stochastic_rounding=True)
+    if grid_y is not None:
+        monkeypatch.setattr(launch_ops, "MAX_GRID_Y", grid_y)
+    specs = [(10, 4), (6, 8), (7, 8)] if pooling == PoolingMode.SUM else [(10, 8), (6, 8)]
+    m = TritonTBE(specs, device="cpu", pooling_mode=pooling, optimizer=EmbOptimType.EXACT_SGD,
+                  weights_precision=SparseType.FP16, stochastic_rounding=True)
     m.precompile_first_step = False
     assert m.spec.reads_step_count and m.spec.advances_step_count
-    ids, offs = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])
+    T = len(specs)
+    offs = torch.arange(T * B + 1)  # one id per bag
+    ids = offs[:-1] % 6
     recorded: list = []
     with launch_ops.recording(recorded):
         out = m(ids, offs)
     forwards = [r for r in recorded if r.kernel.__name__ in ("_pooled_forward_kernel", "_sequence_forward_kernel")]
-    assert forwards and int(m.iter) == 0
+    assert len(forwards) == {(2, None): 1, (5, None): 2, (5, 1): 3}.get((B, grid_y), 1) and int(m.iter) == 0
     saved = out.grad_fn.step.saved
     assert saved is not m.iter
     assert forwards[0].constexprs.get("ADVANCE") is True
@@ -550,7 +560,7 @@ def test_the_forwards_first_launch_advances_the_count(pooling):
     assert not any(r.constexprs.get("ADVANCE") for r in forwards[1:])
     # Run: training forwards (their own copies), a no_grad one, an empty batch's.
     first = m(ids, offs)
-    second = m(ids[:2], offs[:3])
+    second = m(ids, offs)
     with torch.no_grad():
         m(ids, offs)
     empty = m(ids[:0], torch.zeros(1, dtype=torch.int64))

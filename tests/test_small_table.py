@@ -343,3 +343,29 @@ def test_a_forward_of_small_tables_only_advances_its_count(monkeypatch):
     assert [advance.count is a.iter for advance in by_torch_ops] == [True, True]
     for x, y in zip(a.split_embedding_weights(), b.split_embedding_weights()):
         assert_close(x, y, "weights", atol=1e-3, rtol=1e-3)
+
+
+def test_a_forward_with_some_small_tables_advances_its_count_once(monkeypatch):
+    """Small tables beside generic ones: the small-table forward launches first, and the first generic
+    launch carries the step count's advance; no torch op advances it. One advance per forward."""
+    from torchrec_triton_tbe.ops import forward as fwd_ops
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    monkeypatch.setattr(fwd_ops, "advance_by_torch_ops", lambda advance: pytest.fail("torch ops advanced the count"))
+    m, _ = make_pair(SPECS, FTM, oracle="reference", seed=3, kernel_config=SMALL,
+                     optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16,
+                     stochastic_rounding=True)
+    assert any(b.small for b in m.spec.plan.buckets) and any(not b.small for b in m.spec.plan.buckets)
+    batch = skewed_batch([r for r, _ in SPECS], FTM, B=5, max_L=6, generator=torch.Generator().manual_seed(6))
+    recorded: list = []
+    with launch_ops.recording(recorded):
+        m(batch.indices, batch.offsets)
+    names = [r.kernel.__name__ for r in recorded]
+    first = names.index("_pooled_forward_kernel")
+    assert "_small_forward_kernel" in names[:first]
+    assert [r.constexprs.get("ADVANCE", False) for r in recorded if r.kernel.__name__ == "_pooled_forward_kernel"][0]
+    assert sum(bool(r.constexprs.get("ADVANCE")) for r in recorded) == 1 and int(m.iter) == 0
+    for step in range(2):
+        out = m(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+    assert int(m.iter) == 2

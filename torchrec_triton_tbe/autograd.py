@@ -141,7 +141,7 @@ class TBEFunction(torch.autograd.Function):
         place and it is returned. ``hyper`` / ``step``: the module's current HyperVersion and this
         forward's StepVersion, whose values the backward applies."""
         spec = call.spec
-        # The forward's first launch advances the count and writes the backward's copy, step.saved
+        # The first pooled / sequence launch advances the count and writes the backward's copy, step.saved
         # (TritonTBE.forward).
         advance = fwd_ops.StepAdvance(call.state.step, step.saved) if spec.advances_step_count else None
         if spec.nobag:

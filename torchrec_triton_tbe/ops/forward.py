@@ -25,9 +25,10 @@ from torchrec_triton_tbe.ops.vbe import VBELayout
 class StepAdvance(NamedTuple):
     """A forward's step count: ``count`` (the module's ``iter``) goes up by 1 and the new value is written
     to ``saved`` too (the copy its backward applies; ``count`` itself where no update reads one). The
-    forward's first launch does both (kernels/common.advance_step_count) instead of two torch ops
-    (``add_``, ``clone``) of their own: on launch-bound batches each launch the host issues counts, and
-    on FBGEMM's default shape those were two of the training forward's three."""
+    forward's first pooled / sequence launch does both (kernels/common.advance_step_count; a non-fused
+    bounds check and the small-table forward launch before it) instead of two torch ops (``add_``,
+    ``clone``) of their own: on launch-bound batches each launch the host issues counts, and on FBGEMM's
+    default shape those were two of the training forward's three."""
 
     count: torch.Tensor
     saved: torch.Tensor
