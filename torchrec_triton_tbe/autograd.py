@@ -76,11 +76,11 @@ class StepVersion(_Saved):
     ``set_optimizer_step``, a checkpoint load). The module's forward advances its ``iter`` buffer and,
     when autograd records the forward (a backward may come, also again: a retry after an error,
     ``retain_graph``), writes the new count into ``saved``, a tensor of its own: both in the forward's
-    first launch (ops/forward.StepAdvance), on the forward's stream, which is where autograd runs its
-    backward. The backward applies that
-    copy and never reads ``iter``, so nothing it does races with later forwards on other streams. An
-    update that does not use the count (``TBESpec.reads_step_count``: SGD, Adagrad, LARS without
-    stochastic rounding) gets ``iter`` itself, no copy: its kernels take the pointer and use no value."""
+    first pooled / sequence launch (ops/forward.StepAdvance), on the forward's stream, which is where
+    autograd runs its backward. The backward applies that copy and never reads ``iter``, so nothing it
+    does races with later forwards on other streams. An update that does not use the count
+    (``TBESpec.reads_step_count``: SGD, Adagrad, LARS without stochastic rounding) gets ``iter`` itself,
+    no copy: its kernels take the pointer and use no value."""
 
     __slots__ = ()
 

@@ -437,10 +437,10 @@ class TritonTBE(nn.Module):
         # count; FBGEMM's SGD, Adagrad and LARS forwards leave it, and so do these unless stochastic
         # rounding seeds from it (TBESpec.advances_step_count). The first pooled / sequence launch
         # advances it (ops/forward.StepAdvance), after this call's checks: as in FBGEMM, whose forward
-        # advances it before its lookup, a forward that fails past them may have counted. A forward autograd records
-        # gets its own copy of the new count for its backward (autograd.StepVersion) where the update
-        # reads it; where it does not (SGD, Adagrad, LARS without stochastic rounding) the backward gets
-        # the buffer itself, whose value it does not use.
+        # advances it before its lookup, a forward that fails past them may have counted. A forward
+        # autograd records gets its own copy of the new count for its backward (autograd.StepVersion)
+        # where the update reads it; where it does not (SGD, Adagrad, LARS without stochastic rounding)
+        # the backward gets the buffer itself, whose value it does not use.
         step = StepVersion()
         step.saved = self.iter
         if spec.reads_step_count and torch.is_grad_enabled():

@@ -34,9 +34,9 @@ def out_row_start(out_offset_ptr, o_col, t, b, B, total_D, m, OUT_MAP: tl.conste
 
 @triton.jit
 def advance_step_count(count_ptr, saved_ptr, first):
-    """Called under a forward's ADVANCE (its first launch); ``first``: whether this is that launch's
-    first program, which adds 1 to the module's step count and writes the new value to ``saved_ptr``
-    too (the backward's copy; ``count_ptr`` itself where no update reads it). In the forward's launch
+    """Called under a forward's ADVANCE (its first pooled / sequence launch); ``first``: whether this is
+    that launch's first program, which adds 1 to the module's step count and writes the new value to
+    ``saved_ptr`` too (the backward's copy; ``count_ptr`` itself where no update reads it). In the forward's launch
     instead of two torch ops (``add_``, ``clone``): on launch-bound batches each device launch the host
     issues costs as much as a small kernel. Masked, not branched: under an ``if`` ptxas gave one sequence
     specialization (BLOCK_D 512, 4 warps) a stack frame."""
