@@ -59,6 +59,17 @@ STATE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-3), torch.bfloat16: dict(ato
 # 0.3 per copy). So: the tight tolerance on all but a few elements, and those within that bound.
 BF16_MOMENTS = {"partial-rowwise-adam-bf16"}
 FLIP_FRACTION = 0.01
+# Element-wise second moments (EXACT_ADAGRAD, ADAM, LAMB) divide each element's step by its own gradient
+# history: on a row's first update the step is about lr * g / (|g| + eps), whose slope at g = 0 is lr / eps
+# (0.5 here). A hot row's gradient sums a few hundred lookups in another order than FBGEMM's; where that sum
+# cancels to near 0, its fp32 rounding (~1e-5 for a sum of ~200 unit gradients) moves the weight element by
+# half of that, and a bag's output then by that times the row's copies in the bag (up to 2L - 1). Measured on
+# the H100 (2026-12-06, ADAM and ADAM with row-wise bias correction, 12 seeded runs of this file's first
+# combination): weights within 3.2e-6, outputs within 3.9e-5; one unseeded run had 7 of 299,008 outputs off
+# by up to 1.8e-4, all in one column (one row's element, many copies per bag). Weights and states keep the
+# tight tolerance; outputs after an update are within it but for a few elements, and those within the weights'
+# tolerance times the copies.
+ELEMENTWISE_MOMENTS = {"adagrad", "adam", "adam-rowwise-bias", "lamb"}
 
 
 def flip_bound(weights, lr, steps, copies=1):
@@ -66,12 +77,17 @@ def flip_bound(weights, lr, steps, copies=1):
     return TOL[weights]["atol"] + steps * lr * 2.0**-7 * 4 * copies
 
 
-def assert_close_up_to_flips(a, b, weights, bound, what):
+def assert_close_up_to_flips(a, b, weights, bound, what, why="bf16 moment flips"):
     """Within TOL[weights] except on at most FLIP_FRACTION of the elements, and those within ``bound``."""
     a, b, tol = a.float(), b.float(), TOL[weights]
     off = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
     assert off.float().mean().item() <= FLIP_FRACTION, f"{what}: {int(off.sum())} of {off.numel()} outside {tol}"
-    torch.testing.assert_close(a, b, atol=bound, rtol=tol["rtol"], msg=lambda m: f"{what} (bf16 moment flips): {m}")
+    torch.testing.assert_close(a, b, atol=bound, rtol=tol["rtol"], msg=lambda m: f"{what} ({why}): {m}")
+
+
+def seeded_grad(out, seed):
+    """The output gradient of one step, the same in every run (a failure can be run again)."""
+    return torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(seed), device=out.device)
 
 
 def assert_same_state(ours, fb, weights, what, bound=None):
@@ -120,9 +136,12 @@ def test_matches_fbgemm_cuda(name, combo):
         o2 = fb(idx.clone(), off.clone(), psw)
         if flips:  # a bag holds at most 2L - 1 copies of a row (gpu_cases.batch)
             assert_close_up_to_flips(o1, o2, weights, flip_bound(weights, 0.05, step, 2 * L - 1), f"{name} step {step}")
+        elif step and name in ELEMENTWISE_MOMENTS:
+            assert_close_up_to_flips(o1, o2, weights, TOL[weights]["atol"] * (2 * L - 1), f"{name} step {step}",
+                                     "summation order over copies")
         else:
             torch.testing.assert_close(o1, o2, **TOL[weights])
-        grad = torch.randn_like(o1)
+        grad = seeded_grad(o1, step)
         o1.backward(grad)
         o2.backward(grad)
     stats = ours.backward_stats()
@@ -140,7 +159,7 @@ def test_many_tiles_per_program_match_fbgemm_cuda(name):
                     eps=0.1, stochastic_rounding=False, **extra)
     idx, off, _ = batch(7, nb=8192)
     o1, o2 = ours(idx, off), fb(idx, off)
-    grad = torch.randn_like(o1)
+    grad = seeded_grad(o1, 7)
     o1.backward(grad)
     o2.backward(grad)
     assert_same_state(ours, fb, weights, name, flip_bound(weights, 0.01, 1) if name in BF16_MOMENTS else None)
