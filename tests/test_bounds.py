@@ -260,8 +260,8 @@ def test_flat_id_check_attributes_each_id_to_its_feature(data):
 def test_the_offsets_scratch_survives_to_empty_and_the_precompile_dry_run():
     """The offsets check repairs in its last program, found by a ticket counted up from the module's
     scratch (kernels/bounds.py): a scratch left non-zero would turn the repair off. ``to_empty`` (meta
-    construction, then materialising) zeroes it, and precompile's dry run, which snapshots and restores
-    the small buffers, leaves it alone; a bad batch after either is still repaired and counted."""
+    construction, then materialising) zeroes it, and precompile's dry run, which writes no buffer, leaves it
+    alone; a bad batch after either is still repaired and counted."""
     from torchrec_triton_tbe.ops import precompile as precompile_ops
 
     m, _ = make_pair(SPECS, FTM, oracle="reference", bounds_check_mode=BoundsCheckMode.WARNING)
@@ -269,7 +269,6 @@ def test_the_offsets_scratch_survives_to_empty_and_the_precompile_dry_run():
     m.bounds_check_warning.fill_(5)
     m.to_empty(device="cpu")
     assert m._bounds_scratch.tolist() == [0, 0]
-    assert {"_bounds_scratch", "bounds_check_warning"} <= set(precompile_ops._KERNEL_WRITTEN)
     assert int(m.bounds_check_warning) == 0  # no count to keep: to_empty zeroes it too
     precompile_ops.record_step(m, torch.tensor(GOOD_IDX), torch.tensor(GOOD_OFF))
     for round_ in (1, 2):

@@ -197,6 +197,54 @@ def test_precompile_first_step_runs_once_on_the_first_training_forward(monkeypat
     assert int(flagged.iter) == int(plain.iter) == 4
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["first-launch", "small-tables-torch-ops"])
+def test_dry_run_writes_no_buffer_so_a_concurrent_forwards_count_survives(small):
+    """The dry run writes no buffer of the module (no kernel runs; the step count's torch-op fallback, where
+    every table is on the small-table path, skips a recorded call), so it restores none: a restore wrote back
+    the count from before another thread's forward advanced it. That forward is stood in for by hooks that
+    advance the count and set the module's last stream while the dry run's forward runs; the count keeps the
+    advance, the last stream stays that forward's (it was restored to the dry run's own), and the real steps
+    after count on."""
+    from torchrec_triton_tbe.config import load_named
+
+    kw = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16, stochastic_rounding=True)
+    if small:
+        specs, ftm = [(9, 8), (5, 4)], [0, 1]
+        cfg = load_named("interpreter").replace_small_table(max_rows=64, bags=16, groups=2)
+        m = TritonTBE(specs, feature_table_map=ftm, device="cpu", learning_rate=0.1, kernel_config=cfg, **kw)
+        m.init_embedding_weights_uniform(-1, 1)
+        assert all(bucket.small for bucket in m.spec.plan.buckets)
+    else:
+        specs, ftm, m = SPECS, FTM, _module(**kw)
+    assert m.spec.advances_step_count
+    batch = skewed_batch([r for r, _ in specs], ftm, B=8, max_L=6, generator=torch.Generator().manual_seed(2))
+    before = _state(m)
+    def another_threads_forward(module, args):  # returns None: the call's arguments stay as they are
+        module.iter.add_(1)
+
+    def another_threads_stream(module, args, out):  # its forward, after the dry run's own waited and set it
+        module._last_stream.stream = other
+
+    other = object()
+    hooks = [m.register_forward_pre_hook(another_threads_forward), m.register_forward_hook(another_threads_stream)]
+    try:
+        record_step(m, batch.indices, batch.offsets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # The next forward waits for that other forward's stream (TritonTBE._follow_last_stream).
+    assert m._last_stream.stream is other
+    m._last_stream.stream = None
+    after = _state(m)
+    assert int(after.pop("iter")) == int(before.pop("iter")) + 1, "the dry run wrote back the count"
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"the dry run changed {name}"
+    for _ in range(2):
+        out = m(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
+    assert int(m.iter) == 3
+
+
 def test_dry_run_leaves_the_modules_graph_cache_and_lookup_call_alone():
     """A dry run after training has begun: it must not enter (on a GPU: replay) the module's own
     backward-graph cache, and the module's cached LookupCall comes back as it was."""

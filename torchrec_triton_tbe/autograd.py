@@ -214,7 +214,11 @@ class TBEFunction(torch.autograd.Function):
             def body(st, i, o, g, w):
                 bwd_ops.backward_step(spec, st, None, i, o, g, w, B)
 
+            # Not in precompile's dry run: its launches do not run, so they need no values swapped in, and
+            # it writes no buffer of the module (ops/precompile.record_step).
             swaps = [(getattr(call.state, name), value) for name, value in saved.items()]
+            if launch_ops.recording_into() is not None:
+                swaps = []
             with swapped_in(swaps) if swaps else contextlib.nullcontext():
                 call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, step, B, body)
         else:

@@ -36,8 +36,9 @@ class StepAdvance(NamedTuple):
 
 def advance_by_torch_ops(advance: Optional[StepAdvance]) -> None:
     """The same advance where the call launches no kernel of its own (an empty batch; every bag on the
-    small-table path)."""
-    if advance is not None:
+    small-table path). Not in a recorded call (precompile's dry run, ops/launch.recording): its launches do
+    not run, so a first launch's advance would not happen either, and the dry run writes no buffer."""
+    if advance is not None and launch_ops.recording_into() is None:
         advance.count.add_(1)
         if advance.saved is not advance.count:
             advance.saved.copy_(advance.count)

@@ -11,9 +11,10 @@ How:
 1. Record. The step (forward, then backward with a ones gradient) is driven once with ``launch``
    recording instead of launching (ops/launch.py ``recording``, per thread). The host code never waits for the GPU,
    so a step whose kernels never ran still issues every launch the real step will, with the same
-   argument types, alignments, constexprs and warps. Host-side effects of the dry run are undone: the
-   step counter it advanced, the last-run statistics; it runs on a graph cache of its own (a graph the
-   module captured earlier would be replayed, and replays are not launches).
+   argument types, alignments, constexprs and warps. It writes no buffer of the module (the step count
+   included: its advance is a launch's, or skipped while recording), and its last-run statistics are
+   undone; it runs on a graph cache of its own (a graph the module captured earlier would be replayed, and
+   replays are not launches).
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
 2. Compile in processes (``pool="process"``, the default). The workers (``Workers``: the script
    torchrec_triton_tbe/_compile_worker.py, which imports Triton and the kernels, not torch) start
@@ -61,12 +62,6 @@ from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 
 
-# Buffers only kernels write (nothing runs in the dry run, so they need no restore). The bounds check's
-# count and scratch among them: a snapshot taken while another stream's check runs would write back a
-# half-finished [count, tickets], and a stray ticket turns the offsets repair off (kernels/bounds.py).
-_KERNEL_WRITTEN = ("weights", "momentum1", "momentum2", "row_counter", "bounds_check_warning", "_bounds_scratch")
-
-
 @dataclasses.dataclass(frozen=True)
 class PrecompileReport:
     launches: int  # launches the recorded step issued
@@ -98,14 +93,14 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
                 batch_size_per_feature_per_rank: Optional[list] = None) -> list:
     """The launches one training step of ``module`` on this batch issues, without running any of them
     (see the module docstring); the module's state is as before."""
-    # Only kernels write the weights and the optimizer state (nothing ran); host ops may write the other
-    # buffers (the forward's step count, where no launch carries it: ops/forward.advance_by_torch_ops),
-    # all of them small. Snapshot, restore after.
-    # The snapshot reads the step count: after the last forward's stream (another one may still be
-    # advancing it); the restore writes it here, so this stream stays the count's last writer.
-    module._follow_last_stream()
-    small = {name: buf.clone() for name, buf in module.named_buffers() if name not in _KERNEL_WRITTEN}
-    last_runs, last_stream = module._last_runs, module._last_stream.stream
+    # The dry run writes no buffer of the module: kernels write the weights, the optimizer state, the step
+    # count and the bounds check's count and scratch, and none runs; the host-op writers skip a recorded
+    # call too (the step count's fallback where no kernel launches, ops/forward.advance_by_torch_ops; a
+    # replayed backward's swap of a superseded learning rate, autograd.swapped_in). So there is nothing to
+    # snapshot or restore. A restore raced with another thread's forward: it wrote
+    # back the count from before that forward's advance, or a half-finished bounds scratch, whose stray
+    # ticket turns the offsets repair off (kernels/bounds.py).
+    last_runs = module._last_runs
     # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
     # would be replayed (real kernels, garbage gradients), not recorded. The cached LookupCall holds
     # the cache, so it is set aside too.
@@ -123,12 +118,11 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
             out = module(indices, offsets, psw, **kwargs)
             out.backward(torch.ones_like(out))
     finally:
-        with torch.no_grad():
-            buffers = dict(module.named_buffers())
-            for name, saved in small.items():
-                buffers[name].copy_(saved)
         module._backward_graphs, module._cached_call = graphs, cached_call
-        module._last_runs, module._last_stream.stream = last_runs, last_stream  # this stream (above)
+        module._last_runs = last_runs
+        # The last stream is left as the recorded forward set it: its own, after waiting for the one before
+        # (module._follow_last_stream), or another thread's forward's since. Restoring the one before would
+        # let a later forward on a third stream skip waiting for that other thread's writes of the count.
     return recorded
 
 
