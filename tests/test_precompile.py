@@ -198,13 +198,16 @@ def test_precompile_first_step_runs_once_on_the_first_training_forward(monkeypat
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["first-launch", "small-tables-torch-ops"])
-def test_dry_run_writes_no_buffer_so_a_concurrent_forwards_count_survives(small):
+def test_another_thread_trains_the_module_during_the_dry_run(small):
     """The dry run writes no buffer of the module (no kernel runs; the step count's torch-op fallback, where
-    every table is on the small-table path, skips a recorded call), so it restores none: a restore wrote back
-    the count from before another thread's forward advanced it. That forward is stood in for by hooks that
-    advance the count and set the module's last stream while the dry run's forward runs; the count keeps the
-    advance, the last stream stays that forward's (it was restored to the dry run's own), and the real steps
-    after count on."""
+    every table is on the small-table path, skips a recorded call) and keeps its own lookup call, graph cache
+    and statistics, so it restores nothing. Another thread's training step in the middle of it (started from a
+    hook on the dry run's forward; recording is per thread, so its kernels run) leaves the module exactly as
+    that step alone would: the same buffers bit for bit (a write-back of the count undid its advance), its
+    own cached call and statistics. The module's last stream stays as a forward after the dry run's own set
+    it (it was restored to the dry run's)."""
+    import copy
+
     from torchrec_triton_tbe.config import load_named
 
     kw = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType.FP16, stochastic_rounding=True)
@@ -217,31 +220,45 @@ def test_dry_run_writes_no_buffer_so_a_concurrent_forwards_count_survives(small)
     else:
         specs, ftm, m = SPECS, FTM, _module(**kw)
     assert m.spec.advances_step_count
-    batch = skewed_batch([r for r, _ in specs], ftm, B=8, max_L=6, generator=torch.Generator().manual_seed(2))
-    before = _state(m)
-    def another_threads_forward(module, args):  # returns None: the call's arguments stay as they are
-        module.iter.add_(1)
+    m.collect_backward_stats = True
+    batch = _batch() if not small else skewed_batch([9, 5], ftm, B=8, max_L=6,
+                                                    generator=torch.Generator().manual_seed(2))
 
-    def another_threads_stream(module, args, out):  # its forward, after the dry run's own waited and set it
-        module._last_stream.stream = other
+    def step(module):
+        out = module(batch.indices, batch.offsets)
+        out.backward(torch.ones_like(out))
 
-    other = object()
-    hooks = [m.register_forward_pre_hook(another_threads_forward), m.register_forward_hook(another_threads_stream)]
+    twin = copy.deepcopy(m)
+    step(twin)
+    other, started = object(), []
+
+    def another_thread_trains(module, args):  # returns None: the call's arguments stay as they are
+        if not started:
+            started.append(threading.Thread(target=step, args=(module,)))
+            started[0].start()
+            started[0].join()
+
+    def another_forward_after(module, args, out):
+        if launch_ops.recording_into() is not None:  # the dry run's forward, once it has set its own stream
+            module._last_stream.stream = other
+
+    hooks = [m.register_forward_pre_hook(another_thread_trains), m.register_forward_hook(another_forward_after)]
     try:
         record_step(m, batch.indices, batch.offsets)
     finally:
         for hook in hooks:
             hook.remove()
-    # The next forward waits for that other forward's stream (TritonTBE._follow_last_stream).
-    assert m._last_stream.stream is other
+    assert started and m._last_stream.stream is other
     m._last_stream.stream = None
-    after = _state(m)
-    assert int(after.pop("iter")) == int(before.pop("iter")) + 1, "the dry run wrote back the count"
-    for name in before:
-        assert torch.equal(before[name], after[name]), f"the dry run changed {name}"
+    assert int(m.iter) == int(twin.iter) == 1
+    mine, theirs = _state(m), _state(twin)
+    assert sorted(mine) == sorted(theirs)
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), f"{name} differs from one real step's"
+    assert m.backward_stats() == twin.backward_stats()
+    assert m._cached_call is not None and m._cached_call[1].graphs is m._backward_graphs
     for _ in range(2):
-        out = m(batch.indices, batch.offsets)
-        out.backward(torch.ones_like(out))
+        step(m)
     assert int(m.iter) == 3
 
 

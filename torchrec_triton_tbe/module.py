@@ -31,6 +31,7 @@ from torchrec_triton_tbe.autograd import HyperVersion, LastStream, LookupCall, S
 from torchrec_triton_tbe.errors import InputError
 from torchrec_triton_tbe.config import KernelConfig, load_config
 from torchrec_triton_tbe.ops import bounds as bounds_ops
+from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops import vbe as vbe_ops
 from torchrec_triton_tbe.ops.backward import OptimizerTensors
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
@@ -77,6 +78,10 @@ def _is_to_empty(fn) -> bool:
     qualified name (one lambda in torch's to_empty since 2.1); were it renamed, a cross-device ``to_empty``
     would keep the WARNING count as a move does (tests/test_module.py checks the name on the installed torch)."""
     return getattr(fn, "__qualname__", None) == "Module.to_empty.<locals>.<lambda>"
+
+
+def _discard_runs(runs: RunPlan) -> None:
+    """A recorded call's statistics (module._lookup_call): its kernels did not run."""
 
 
 class TritonTBE(nn.Module):
@@ -509,6 +514,21 @@ class TritonTBE(nn.Module):
         fifth of the forward's host time on small batches). Keyed by the identity of every tensor it
         holds: a replaced buffer (``module.to``, ``load_state_dict(assign=True)``) gives a new call, and
         the old one keeps its tensors alive, so their ids cannot be reused while it is cached."""
+        if launch_ops.recording_into() is not None:
+            # precompile's dry run (this thread's launches recorded, not run): a call of its own, with a graph
+            # cache of its own (a graph this module captured for the batch's shape would be replayed, real
+            # kernels, not recorded) and statistics kept nowhere, so other threads' calls meanwhile find the
+            # module's cache, graphs and statistics as they were. Same launches: a call with statistics still
+            # has an ``on_runs``, which keeps its backward off the graph path, as the real step's.
+            return LookupCall(
+                spec=spec,
+                state=self.optimizer_tensors(),
+                B=B,
+                warning=bufs["bounds_check_warning"],
+                on_runs=_discard_runs if self.collect_backward_stats else None,
+                graphs=BackwardGraphs(),
+                check_finite=self.check_finite,
+            )
         names = (*_STATE_BUFFERS, "bounds_check_warning")
         key = (id(spec), B, self.collect_backward_stats, self.check_finite, *(id(bufs[n]) for n in names))
         cached = self._cached_call

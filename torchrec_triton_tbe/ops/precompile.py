@@ -59,7 +59,6 @@ import torch
 
 from torchrec_triton_tbe import _env
 from torchrec_triton_tbe.ops import launch as launch_ops
-from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,32 +96,24 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     # count and the bounds check's count and scratch, and none runs; the host-op writers skip a recorded
     # call too (the step count's fallback where no kernel launches, ops/forward.advance_by_torch_ops; a
     # replayed backward's swap of a superseded learning rate, autograd.swapped_in). So there is nothing to
-    # snapshot or restore. A restore raced with another thread's forward: it wrote
-    # back the count from before that forward's advance, or a half-finished bounds scratch, whose stray
-    # ticket turns the offsets repair off (kernels/bounds.py).
-    last_runs = module._last_runs
-    # A fresh graph cache for the dry run: a graph the module already captured for this batch shape
-    # would be replayed (real kernels, garbage gradients), not recorded. The cached LookupCall holds
-    # the cache, so it is set aside too.
-    graphs, cached_call = module._backward_graphs, module._cached_call
-    module._backward_graphs, module._cached_call = BackwardGraphs(), None
+    # snapshot or restore. A restore raced with another thread's forward: it wrote back the count from
+    # before that forward's advance, or a half-finished bounds scratch, whose stray ticket turns the
+    # offsets repair off (kernels/bounds.py).
+    # Its call has a graph cache of its own and keeps no statistics (module._lookup_call): the module's
+    # cache, graphs and statistics are left to other threads. Its forward does set the module's last
+    # stream (module._follow_last_stream: its own, after waiting for the one before), left so: restoring
+    # the one before would let a later forward on a third stream skip waiting for the writes of another
+    # thread's forward in between.
     psw = None
     if per_sample_weights is not None:
         psw = per_sample_weights.detach().clone().requires_grad_(per_sample_weights.requires_grad)
     recorded: list = []
-    try:
-        with launch_ops.recording(recorded), torch.enable_grad():
-            kwargs = {}
-            if batch_size_per_feature_per_rank is not None:
-                kwargs["batch_size_per_feature_per_rank"] = batch_size_per_feature_per_rank
-            out = module(indices, offsets, psw, **kwargs)
-            out.backward(torch.ones_like(out))
-    finally:
-        module._backward_graphs, module._cached_call = graphs, cached_call
-        module._last_runs = last_runs
-        # The last stream is left as the recorded forward set it: its own, after waiting for the one before
-        # (module._follow_last_stream), or another thread's forward's since. Restoring the one before would
-        # let a later forward on a third stream skip waiting for that other thread's writes of the count.
+    with launch_ops.recording(recorded), torch.enable_grad():
+        kwargs = {}
+        if batch_size_per_feature_per_rank is not None:
+            kwargs["batch_size_per_feature_per_rank"] = batch_size_per_feature_per_rank
+        out = module(indices, offsets, psw, **kwargs)
+        out.backward(torch.ones_like(out))
     return recorded
 
 
