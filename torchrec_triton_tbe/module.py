@@ -81,7 +81,7 @@ def _is_to_empty(fn) -> bool:
 
 
 def _discard_runs(runs: RunPlan) -> None:
-    """A recorded call's statistics (module._lookup_call): its kernels did not run."""
+    """Where a recorded call's statistics go: nowhere, as its kernels did not run (TritonTBE._lookup_call)."""
 
 
 class TritonTBE(nn.Module):

@@ -12,9 +12,9 @@ How:
    recording instead of launching (ops/launch.py ``recording``, per thread). The host code never waits for the GPU,
    so a step whose kernels never ran still issues every launch the real step will, with the same
    argument types, alignments, constexprs and warps. It writes no buffer of the module (the step count
-   included: its advance is a launch's, or skipped while recording), and its last-run statistics are
-   undone; it runs on a graph cache of its own (a graph the module captured earlier would be replayed, and
-   replays are not launches).
+   included: its advance is a launch's, or skipped while recording) and keeps no last-run statistics; it
+   runs on a lookup call and graph cache of its own (a graph the module captured earlier would be
+   replayed, and replays are not launches), so other threads may train the module meanwhile.
    Per-sample weights are cloned, so no gradient lands in the caller's tensor.
 2. Compile in processes (``pool="process"``, the default). The workers (``Workers``: the script
    torchrec_triton_tbe/_compile_worker.py, which imports Triton and the kernels, not torch) start
@@ -97,8 +97,7 @@ def record_step(module, indices: torch.Tensor, offsets: torch.Tensor,
     # call too (the step count's fallback where no kernel launches, ops/forward.advance_by_torch_ops; a
     # replayed backward's swap of a superseded learning rate, autograd.swapped_in). So there is nothing to
     # snapshot or restore. A restore raced with another thread's forward: it wrote back the count from
-    # before that forward's advance, or a half-finished bounds scratch, whose stray ticket turns the
-    # offsets repair off (kernels/bounds.py).
+    # before that forward's advance.
     # Its call has a graph cache of its own and keeps no statistics (module._lookup_call): the module's
     # cache, graphs and statistics are left to other threads. Its forward does set the module's last
     # stream (module._follow_last_stream: its own, after waiting for the one before), left so: restoring
