@@ -216,9 +216,8 @@ class TBEFunction(torch.autograd.Function):
 
             # Not in precompile's dry run: its launches do not run, so they need no values swapped in, and
             # it writes no buffer of the module (ops/precompile.record_step).
-            swaps = [(getattr(call.state, name), value) for name, value in saved.items()]
-            if launch_ops.recording_into() is not None:
-                swaps = []
+            swaps = [] if launch_ops.recording_into() is not None else [
+                (getattr(call.state, name), value) for name, value in saved.items()]
             with swapped_in(swaps) if swaps else contextlib.nullcontext():
                 call.graphs.run(spec, call.state, indices, offsets, grad_out, per_sample_weights, step, B, body)
         else:

@@ -514,36 +514,30 @@ class TritonTBE(nn.Module):
         fifth of the forward's host time on small batches). Keyed by the identity of every tensor it
         holds: a replaced buffer (``module.to``, ``load_state_dict(assign=True)``) gives a new call, and
         the old one keeps its tensors alive, so their ids cannot be reused while it is cached."""
-        if launch_ops.recording_into() is not None:
-            # precompile's dry run (this thread's launches recorded, not run): a call of its own, with a graph
-            # cache of its own (a graph this module captured for the batch's shape would be replayed, real
-            # kernels, not recorded) and statistics kept nowhere, so other threads' calls meanwhile find the
-            # module's cache, graphs and statistics as they were. Same launches: a call with statistics still
-            # has an ``on_runs``, which keeps its backward off the graph path, as the real step's.
-            return LookupCall(
-                spec=spec,
-                state=self.optimizer_tensors(),
-                B=B,
-                warning=bufs["bounds_check_warning"],
-                on_runs=_discard_runs if self.collect_backward_stats else None,
-                graphs=BackwardGraphs(),
-                check_finite=self.check_finite,
-            )
-        names = (*_STATE_BUFFERS, "bounds_check_warning")
-        key = (id(spec), B, self.collect_backward_stats, self.check_finite, *(id(bufs[n]) for n in names))
-        cached = self._cached_call
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        # precompile's dry run (this thread's launches recorded, not run) gets a call of its own, uncached,
+        # with a graph cache of its own (a graph this module captured for the batch's shape would be
+        # replayed, real kernels, not recorded) and statistics kept nowhere, so other threads' calls
+        # meanwhile find the module's cache, graphs and statistics as they were. Same launches: a call with
+        # statistics still has an ``on_runs``, which keeps its backward off the graph path, as the real step's.
+        recorded = launch_ops.recording_into() is not None
+        if not recorded:
+            names = (*_STATE_BUFFERS, "bounds_check_warning")
+            key = (id(spec), B, self.collect_backward_stats, self.check_finite, *(id(bufs[n]) for n in names))
+            cached = self._cached_call
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        on_runs = (_discard_runs if recorded else self._record_runs) if self.collect_backward_stats else None
         call = LookupCall(
             spec=spec,
             state=self.optimizer_tensors(),
             B=B,
             warning=bufs["bounds_check_warning"],
-            on_runs=self._record_runs if self.collect_backward_stats else None,
-            graphs=self._backward_graphs,
+            on_runs=on_runs,
+            graphs=BackwardGraphs() if recorded else self._backward_graphs,
             check_finite=self.check_finite,
         )
-        self._cached_call = (key, call)
+        if not recorded:
+            self._cached_call = (key, call)
         return call
 
     def optimizer_tensors(self) -> OptimizerTensors:
