@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from gpu_cases import DEV, FTM, L, SPECS, TOL, batch, pair
+from gpu_cases import DEV, FLIP_FRACTION, FTM, L, SPECS, TOL, assert_close_up_to_flips, batch, pair, seeded_grad
 
 from torchrec_triton_tbe._fbgemm import (
     EmbOptimType,
@@ -58,7 +58,6 @@ STATE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-3), torch.bfloat16: dict(ato
 # the bag (a hot row's column: 359 of 299,008 outputs off by up to 9.8e-4 in one run, about lr * 2**-7 *
 # 0.3 per copy). So: the tight tolerance on all but a few elements, and those within that bound.
 BF16_MOMENTS = {"partial-rowwise-adam-bf16"}
-FLIP_FRACTION = 0.01
 # Element-wise second moments (EXACT_ADAGRAD, ADAM, LAMB) divide each element's step by its own gradient
 # history: on a row's first update the step is about lr * g / (|g| + eps), whose slope at g = 0 is lr / eps
 # (0.5 here). A hot row's gradient sums a few hundred lookups in another order than FBGEMM's; where that sum
@@ -77,26 +76,13 @@ def flip_bound(weights, lr, steps, copies=1):
     return TOL[weights]["atol"] + steps * lr * 2.0**-7 * 4 * copies
 
 
-def assert_close_up_to_flips(a, b, weights, bound, what, why="bf16 moment flips"):
-    """Within TOL[weights] except on at most FLIP_FRACTION of the elements, and those within ``bound``."""
-    a, b, tol = a.float(), b.float(), TOL[weights]
-    off = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs()
-    assert off.float().mean().item() <= FLIP_FRACTION, f"{what}: {int(off.sum())} of {off.numel()} outside {tol}"
-    torch.testing.assert_close(a, b, atol=bound, rtol=tol["rtol"], msg=lambda m: f"{what} ({why}): {m}")
-
-
-def seeded_grad(out, seed):
-    """The output gradient of one step, the same in every run (a failure can be run again)."""
-    return torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(seed), device=out.device)
-
-
 def assert_same_state(ours, fb, weights, what, bound=None):
     """Weights and every state tensor; ``bound``: bf16 moments (BF16_MOMENTS), weights up to flips."""
     for t, (a, b) in enumerate(zip(ours.split_embedding_weights(), fb.split_embedding_weights())):
         if bound is None:
             torch.testing.assert_close(a.float(), b.float(), **TOL[weights], msg=lambda m: f"{what} table {t}: {m}")
         else:
-            assert_close_up_to_flips(a, b, weights, bound, f"{what} table {t}")
+            assert_close_up_to_flips(a, b, weights, bound, f"{what} table {t}", "bf16 moment flips")
     ours_states, fb_states = ours.split_optimizer_states(), fb.split_optimizer_states()
     assert [[tuple(s.shape) for s in t] for t in ours_states] == [[tuple(s.shape) for s in t] for t in fb_states]
     for t, (mine, theirs) in enumerate(zip(ours_states, fb_states)):
@@ -135,7 +121,8 @@ def test_matches_fbgemm_cuda(name, combo):
         o1 = ours(idx.clone(), off.clone(), psw)
         o2 = fb(idx.clone(), off.clone(), psw)
         if flips:  # a bag holds at most 2L - 1 copies of a row (gpu_cases.batch)
-            assert_close_up_to_flips(o1, o2, weights, flip_bound(weights, 0.05, step, 2 * L - 1), f"{name} step {step}")
+            assert_close_up_to_flips(o1, o2, weights, flip_bound(weights, 0.05, step, 2 * L - 1), f"{name} step {step}",
+                                     "bf16 moment flips")
         elif step and name in ELEMENTWISE_MOMENTS:
             assert_close_up_to_flips(o1, o2, weights, TOL[weights]["atol"] * (2 * L - 1), f"{name} step {step}",
                                      "summation order over copies")

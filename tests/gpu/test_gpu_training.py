@@ -11,7 +11,8 @@ import logging
 
 import pytest
 import torch
-from gpu_cases import B, DEV, FTM, SPECS, TOL, batch, no_host_sync, pair
+from gpu_cases import (B, DEV, FTM, SPECS, TOL, assert_close_up_to_flips, batch, fp16_flip_bound, no_host_sync, pair,
+                       seeded_grad)
 
 from torchrec_triton_tbe._fbgemm import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
 from torchrec_triton_tbe.module import TritonTBE
@@ -33,8 +34,14 @@ def test_matches_fbgemm_cuda(pooling, weighted, weights, optimizer):
         idx, off, psw = batch(step, weighted)
         o1 = ours(idx.clone(), off.clone(), psw)
         o2 = fb(idx.clone(), off.clone(), psw)
-        torch.testing.assert_close(o1, o2, **TOL[weights])
-        grad = torch.randn_like(o1)
+        if step and weights == SparseType.FP16:
+            # Seen once (H100, 2026-12-06, unseeded gradients; it passed on three reruns): SGD, 1 of 299,008
+            # outputs 0.0107 off, in a column of the 50-row table, whose hottest row takes ~38 % of its ids.
+            assert_close_up_to_flips(o1, o2, weights, fp16_flip_bound(fb, step), f"step {step}",
+                                     "fp16 weights rounded from sums in another order")
+        else:
+            torch.testing.assert_close(o1, o2, **TOL[weights])
+        grad = seeded_grad(o1, step)
         o1.backward(grad)
         o2.backward(grad)
     stats = ours.backward_stats()
