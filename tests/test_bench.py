@@ -1077,3 +1077,31 @@ def test_a_failing_peer_is_recorded_and_the_shape_kept(tmp_path, capsys, monkeyp
     finally:
         peers._purge(peers.TORCHREC_TRITON_PACKAGE)
         peers._loaded.clear()
+
+
+def test_a_failed_shape_is_released_before_the_next(tmp_path, monkeypatch):
+    """A shape that raises is recorded with its error, and the cache is emptied only once the error's
+    traceback (which holds the shape's modules and batches through its frames) is gone: emptied inside
+    the except block, a failed shape's memory stayed cached and the next shape ran out of memory."""
+    import gc
+    import weakref
+
+    class Held:  # stands for the failed shape's modules
+        pass
+
+    refs, alive_at_release = [], []
+
+    def failing_run_case(workload, opts, emit, baseline_ms):
+        held = Held()
+        refs.append(weakref.ref(held))
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(cli, "run_case", failing_run_case)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_release.append(refs[-1]() is not None))
+    argv = ["--batch-size", "4", "--num-tables", "2", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "3", "--iters", "1", "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 1
+    (shape,) = json.loads((tmp_path / "r.json").read_text())["shapes"]
+    assert "OutOfMemoryError: CUDA out of memory (simulated)" in shape["error"]
+    gc.collect()
+    assert alive_at_release == [False] and refs[0]() is None

@@ -24,6 +24,7 @@ run). Exit status 1 when a case failed or ``--check`` found a mismatch.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import traceback
@@ -216,8 +217,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 result = {"name": shape.case.name, "options": shape.case.options(), "error": tb,
                           "generator": None if workload is None else workload.stats}
                 workload = None
-                if cuda:
-                    torch.cuda.empty_cache()
+            if "error" in result:
+                # Only after the except block: until it ends, the error's traceback holds the failed shape's
+                # frames and with them its modules and batches (an out-of-memory error in its third module
+                # keeps the first two), and the cache cannot give their memory back. Kept cached, the next
+                # shape allocates around it: session 50's H200 run had prod_t40_b16k_sigma fail out of
+                # memory with 122 GiB cached after prod_t100_b2k_fp32 had (three fp32 modules do not fit).
+                gc.collect()
+                torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
             record["shapes"].append(result)
             if args.json:
                 write_json(args.json, record)
