@@ -169,3 +169,38 @@ def test_copies_of_a_module_start_without_graphs():
     graphs.captures = 3
     assert copy.deepcopy(graphs).captures == 0
     assert pickle.loads(pickle.dumps(graphs)).captures == 0
+
+
+def test_a_capture_that_runs_out_of_memory_is_retried_once_after_freeing_the_cache(monkeypatch):
+    """During a capture the caching allocator does not free its cached blocks to retry (an eager
+    allocation does), so _capture frees the cache once the failed attempt (and the graph pool its
+    traceback holds) is gone, and tries again; a second failure is raised. The capture itself needs a
+    GPU (tests/gpu/test_gpu_graphs.py); here its attempts are stand-ins."""
+    import weakref
+
+    class Pool:  # stands for the failed graph and the blocks its pool got
+        pass
+
+    held, alive_at_release, outcomes = [], [], []
+
+    def attempt(self, body, statics, device, stream):
+        outcome = outcomes.pop(0)
+        if outcome == "oom":
+            pool = Pool()
+            held.append(weakref.ref(pool))
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return outcome
+
+    monkeypatch.setattr(BackwardGraphs, "_capture_once", attempt)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_release.append(held[-1]() is not None))
+    graphs = BackwardGraphs()
+    outcomes[:] = ["graph"]
+    assert graphs._capture(None, (), torch.device("cpu"), None) == "graph"
+    assert graphs.capture_retries == 0 and alive_at_release == []
+    outcomes[:] = ["oom", "graph"]
+    assert graphs._capture(None, (), torch.device("cpu"), None) == "graph"
+    assert graphs.capture_retries == 1 and alive_at_release == [False]
+    outcomes[:] = ["oom", "oom"]
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        graphs._capture(None, (), torch.device("cpu"), None)
+    assert graphs.capture_retries == 2 and alive_at_release == [False, False]

@@ -1,7 +1,8 @@
 """Backward CUDA graphs (ops/graphs.py) on the GPU: replays are bit-identical to the eager backward
 (batches of varying size, learning-rate, hyper-parameter and step changes between replays, forwards between a
 forward and its backward, stochastic rounding,
-per-sample weights with their gradient, eviction), and capture and replay never sync the host."""
+per-sample weights with their gradient, eviction), capture and replay never sync the host, and a capture
+that runs out of memory frees the cache and captures again."""
 
 import pytest
 import torch
@@ -207,5 +208,39 @@ def test_gradient_read_in_place_then_copied_when_its_address_varies():
     assert sorted(k is None for k in entry.graphs) == [False] * DIRECT_GRAPHS + [True]
     assert entry.grad_out is not None
     assert (g.captures, g.replays) == (DIRECT_GRAPHS + 1, 9)
+    assert torch.equal(graphed.weights, eager.weights)
+    assert torch.equal(graphed.momentum1, eager.momentum1)
+
+
+def test_a_capture_gets_the_memory_the_cache_holds():
+    """The card's free memory all in PyTorch's cache when a key's second backward captures: a capture
+    cannot take cached blocks (the allocator frees none for it), so it ran out of memory, as the bench's
+    prod_t40_b16k_sigma did on the H200 after another shape had filled the cache (session 50). Now it
+    frees the cache and captures again (ops/graphs.BackwardGraphs._capture); the replayed step equals the
+    eager module's bit for bit."""
+    graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    idx, off, _ = batch(0, nb=8192)  # ~470 k lookups: the capture's scratch needs new 20 MB segments
+    for step in range(2):
+        outs = [m(idx, off) for m in (graphed, eager)]
+        grad = torch.randn(outs[0].shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step))
+        if step == 1:
+            # Nothing is allocated between here and the capture (the backward's graph path copies into
+            # the key's static buffers), so no eager allocation frees the cache first.
+            torch.cuda.synchronize()
+            free, _ = torch.cuda.mem_get_info()
+            for margin in (2 << 20, 8 << 20, 32 << 20):
+                try:
+                    hog = torch.empty(free - margin, dtype=torch.uint8, device=DEV)
+                    break
+                except torch.OutOfMemoryError:
+                    continue
+            else:
+                pytest.fail(f"could not fill the card's {free} free bytes to within 32 MiB")
+            del hog  # cached, not returned to the driver
+        for out in outs:
+            out.backward(grad)
+    torch.cuda.synchronize()
+    g = graphed._backward_graphs
+    assert g.captures == 1 and g.capture_retries == 1, (g.captures, g.capture_retries)
     assert torch.equal(graphed.weights, eager.weights)
     assert torch.equal(graphed.momentum1, eager.momentum1)

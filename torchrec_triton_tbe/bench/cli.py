@@ -220,9 +220,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if "error" in result:
                 # Only after the except block: until it ends, the error's traceback holds the failed shape's
                 # frames and with them its modules and batches (an out-of-memory error in its third module
-                # keeps the first two), and the cache cannot give their memory back. Kept cached, the next
-                # shape allocates around it: session 50's H200 run had prod_t40_b16k_sigma fail out of
-                # memory with 122 GiB cached after prod_t100_b2k_fp32 had (three fp32 modules do not fit).
+                # keeps the first two), and the cache cannot give their memory back. Left cached, it is not
+                # the next shape's everywhere: a CUDA-graph capture takes none of it (session 50's H200 run:
+                # prod_t40_b16k_sigma's capture failed with 122 GiB cached after prod_t100_b2k_fp32's
+                # check had run out of memory).
                 gc.collect()
                 torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
             record["shapes"].append(result)

@@ -41,8 +41,9 @@ scratch of that replay only. At most
 its ids, offsets and per-sample weights (8 + 4 bytes per lookup at most: 3.9 MB at FBGEMM's default
 shape), the gradient's only once it falls back to a copy, and the pool the scratch of the largest
 capture. Keys are per stream. Capture runs on a side stream ordered after the current
-one with stream waits, never a host sync; inside somebody else's capture (a user graphing the whole
-step) the backward runs eagerly into that capture.
+one with stream waits, never a host sync (but for a capture that ran out of memory: it frees the memory
+cache, which syncs, and tries once more, ``BackwardGraphs._capture``); inside somebody else's capture (a
+user graphing the whole step) the backward runs eagerly into that capture.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class BackwardGraphs:
         self._entries: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
         self._side: Optional[torch.cuda.Stream] = None
         self.captures = 0  # graphs captured so far (tests, diagnostics)
+        self.capture_retries = 0  # captures tried again after running out of memory (_capture)
         self.replays = 0
 
     def __deepcopy__(self, memo) -> "BackwardGraphs":
@@ -191,6 +193,24 @@ class BackwardGraphs:
         self.replays += 1
 
     def _capture(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
+        """A graph of ``body`` on ``statics``; once more after freeing the memory cache if the capture ran
+        out of memory. While a capture is underway PyTorch's caching allocator gets the graph pool's memory
+        from the driver and does not free the blocks it keeps cached for other tensors to retry, as an eager
+        allocation does (c10's CUDACachingAllocator, malloc): a process whose cache holds most of the card
+        could fail here where the same backward run eagerly fits (seen in the bench on the H200, session
+        50). The retry frees the cache (torch.cuda.empty_cache, which syncs the device: on this path
+        only); a second failure is raised."""
+        try:
+            return self._capture_once(body, statics, device, stream)
+        except torch.OutOfMemoryError:
+            pass
+        # Outside the except block: until it ends, the error's traceback keeps the failed capture's graph,
+        # and with it the blocks its pool got, alive.
+        torch.cuda.empty_cache()
+        self.capture_retries += 1
+        return self._capture_once(body, statics, device, stream)
+
+    def _capture_once(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
         current = torch.cuda.current_stream(device)
         if self._side is None:
             self._side = torch.cuda.Stream(device)
