@@ -174,9 +174,12 @@ def test_copies_of_a_module_start_without_graphs():
 def test_a_capture_that_runs_out_of_memory_is_retried_once_after_freeing_the_cache(monkeypatch):
     """During a capture the caching allocator does not free its cached blocks to retry (an eager
     allocation does), so _capture frees the cache once the failed attempt (and the graph pool its
-    traceback holds) is gone, and tries again; a second failure is raised. The capture itself needs a
-    GPU (tests/gpu/test_gpu_graphs.py); here its attempts are stand-ins."""
+    traceback holds) is gone, and tries again; a second failure is raised, and so is a first one whose
+    capture could not be ended. The capture itself needs a GPU (tests/gpu/test_gpu_graphs.py); here its
+    attempts are stand-ins."""
     import weakref
+
+    from torchrec_triton_tbe.ops import graphs as graphs_ops
 
     class Pool:  # stands for the failed graph and the blocks its pool got
         pass
@@ -185,10 +188,13 @@ def test_a_capture_that_runs_out_of_memory_is_retried_once_after_freeing_the_cac
 
     def attempt(self, body, statics, device, stream):
         outcome = outcomes.pop(0)
-        if outcome == "oom":
+        if outcome.startswith("oom"):
             pool = Pool()
             held.append(weakref.ref(pool))
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            error = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            if outcome == "oom-not-ended":
+                error.add_note(f"{graphs_ops._NOT_ENDED}: RuntimeError('capture invalidated')")
+            raise error
         return outcome
 
     monkeypatch.setattr(BackwardGraphs, "_capture_once", attempt)
@@ -204,3 +210,9 @@ def test_a_capture_that_runs_out_of_memory_is_retried_once_after_freeing_the_cac
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         graphs._capture(None, (), torch.device("cpu"), None)
     assert graphs.capture_retries == 2 and alive_at_release == [False, False]
+    # A failed capture that could not be ended is not retried (its pool may still take allocations).
+    outcomes[:] = ["oom-not-ended", "graph"]
+    with pytest.raises(torch.OutOfMemoryError, match="simulated") as raised:
+        graphs._capture(None, (), torch.device("cpu"), None)
+    assert graphs.capture_retries == 2 and outcomes == ["graph"]
+    assert any("ending the failed capture failed too" in note for note in raised.value.__notes__)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +62,8 @@ from torchrec_triton_tbe import _env
 PAD_BITS = 3
 # Graphs per key that read the gradient in place, one per address it was seen at (see above).
 DIRECT_GRAPHS = 2
+# The note a capture's error carries when ending the failed capture failed too (BackwardGraphs._capture).
+_NOT_ENDED = "ending the failed capture failed too"
 
 
 def padded_lookups(n: int) -> int:
@@ -199,13 +202,16 @@ class BackwardGraphs:
         allocation does (c10's CUDACachingAllocator, malloc): a process whose cache holds most of the card
         could fail here where the same backward run eagerly fits (seen in the bench on the H200, session
         50). The retry frees the cache (torch.cuda.empty_cache, which syncs the device: on this path
-        only); a second failure is raised."""
+        only); a second failure is raised. Not where the failed capture could not be ended: the allocator
+        may still route this thread's allocations to its pool, and no retry helps."""
         try:
             return self._capture_once(body, statics, device, stream)
-        except torch.OutOfMemoryError:
-            pass
+        except torch.OutOfMemoryError as error:
+            if any(note.startswith(_NOT_ENDED) for note in getattr(error, "__notes__", ())):
+                raise
         # Outside the except block: until it ends, the error's traceback keeps the failed capture's graph,
-        # and with it the blocks its pool got, alive.
+        # and with it the blocks its pool got, alive (the collection: frames in reference cycles).
+        gc.collect()
         torch.cuda.empty_cache()
         self.capture_retries += 1
         return self._capture_once(body, statics, device, stream)
@@ -227,11 +233,11 @@ class BackwardGraphs:
             graph.capture_begin(pool=live.pool() if live is not None else None, capture_error_mode="thread_local")
             try:
                 body(*statics)
-            except BaseException:
+            except BaseException as error:
                 try:
                     graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is void either way; report the body's error
-                    pass
+                except Exception as end_error:  # noqa: BLE001 - the capture is void: the body's error is raised
+                    error.add_note(f"{_NOT_ENDED}: {end_error!r}")
                 raise
             graph.capture_end()
         current.wait_stream(self._side)
