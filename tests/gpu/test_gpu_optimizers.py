@@ -61,11 +61,11 @@ BF16_MOMENTS = {"partial-rowwise-adam-bf16"}
 # Element-wise second moments (EXACT_ADAGRAD, ADAM, LAMB) divide each element's step by its own gradient
 # history: on a row's first update the step is about lr * g / (|g| + eps), whose slope at g = 0 is lr / eps
 # (0.5 here). A hot row's gradient sums a few hundred lookups in another order than FBGEMM's; where that sum
-# cancels to near 0, its fp32 rounding (an estimate: ~1e-5 for a sum of ~200 unit gradients) moves the weight element by
-# half of that, and a bag's output then by that times the row's copies in the bag (up to 2L - 1). Measured on
-# the H100 (2026-12-06, ADAM and ADAM with row-wise bias correction, 12 seeded runs of this file's first
-# combination): weights within 3.2e-6, outputs within 3.9e-5; one unseeded run had 7 of 299,008 outputs off
-# by up to 1.8e-4, all in one column (one row's element, many copies per bag). Weights and states keep the
+# cancels to near 0, its fp32 rounding (an estimate: ~1e-5 for a sum of ~200 unit gradients) moves the weight
+# element by half of that, and a bag's output then by that times the row's copies in the bag (up to 2L - 1).
+# Measured on the H100 (2026-12-06, ADAM and ADAM with row-wise bias correction, 12 seeded runs of this file's
+# first combination): weights within 3.2e-6, outputs within 3.9e-5; one unseeded run had 7 of 299,008 outputs
+# off by up to 1.8e-4, all in one column (one row's element, many copies per bag). Weights and states keep the
 # tight tolerance; outputs after an update are within it but for a few elements, and those within the weights'
 # tolerance times the copies.
 ELEMENTWISE_MOMENTS = {"adagrad", "adam", "adam-rowwise-bias", "lamb"}
