@@ -279,17 +279,14 @@ def _record_update_launches(monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("long_path", ["split", "fused"])
-def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
-    """backward.long_tile / long_warps reach the long path's kernels (partials and apply, or the fused
-    one) and leave the short kernel on backward.tile / num_warps. Tables of width 64, so the warps differ
-    after tile_warps' cap (8 x 64 elements hold two warps, 4 x 64 one)."""
-    from torchrec_triton_tbe.config import KnobTable, load_named, tile_warps
+def _long_step_launches(monkeypatch, long_path: str, **knobs) -> dict:
+    """{kernel name: {(TILE, APPLY_TILE, SCAN, warps)}} of one backward over two 64-wide tables with long
+    runs, under the interpreter config with a short tile of 4 on one warp and ``knobs``."""
+    from torchrec_triton_tbe.config import KnobTable, load_named
 
     launches = _record_update_launches(monkeypatch)
     cfg = load_named("interpreter").replace_backward(short_threshold=2, long_chunk=3, long_path=long_path,
-                                                      tile=KnobTable(4), num_warps=KnobTable(1),
-                                                      long_tile=KnobTable(8), long_warps=KnobTable(2))
+                                                      tile=KnobTable(4), num_warps=KnobTable(1), **knobs)
     specs = [(40, 64), (30, 64)]
     ours, _ = make_pair(specs, [0, 1], oracle="reference", kernel_config=cfg,
                         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
@@ -299,13 +296,42 @@ def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
     out.backward(torch.ones_like(out))
     seen = {}
     for r in launches:
-        seen.setdefault(r.kernel.__name__, set()).add((r.constexprs.get("TILE"), r.num_warps))
+        c = r.constexprs
+        seen.setdefault(r.kernel.__name__, set()).add((c.get("TILE"), c.get("APPLY_TILE"), c.get("SCAN"), r.num_warps))
+    return seen
+
+
+@pytest.mark.parametrize("long_path", ["split", "fused"])
+def test_long_path_takes_its_own_tile_and_warps(monkeypatch, long_path):
+    """backward.long_tile / long_warps reach the long path's kernels (partials and apply, or the fused
+    one) and leave the short kernel on backward.tile / num_warps. Tables of width 64, so the warps differ
+    after tile_warps' cap (8 x 64 elements hold two warps, 4 x 64 one)."""
+    from torchrec_triton_tbe.config import KnobTable, tile_warps
+
+    seen = _long_step_launches(monkeypatch, long_path, long_tile=KnobTable(8), long_warps=KnobTable(2))
     assert tile_warps(2, 8 * 64) == 2 and tile_warps(1, 4 * 64) == 1
-    assert seen["_backward_short_kernel"] == {(4, 1)}
-    longs = (["_backward_long_partials_kernel", "_backward_long_apply_kernel"] if long_path == "split"
-             else ["_backward_long_fused_kernel"])
-    for name in longs:
-        assert seen[name] == {(8, 2)}, name
+    assert seen["_backward_short_kernel"] == {(4, None, None, 1)}
+    if long_path == "split":
+        assert seen["_backward_long_partials_kernel"] == {(8, None, None, 2)}
+        assert seen["_backward_long_apply_kernel"] == {(8, None, 1, 2)}  # no apply knobs: the long path's
+    else:
+        assert seen["_backward_long_fused_kernel"] == {(8, 8, None, 2)}
+
+
+@pytest.mark.parametrize("long_path", ["split", "fused"])
+def test_apply_takes_its_own_tile_warps_and_scan(monkeypatch, long_path):
+    """backward.apply_tile / apply_warps / apply_scan reach the apply kernel (TILE, warps, SCAN); the fused
+    kernel sums a run's partials with the same tile (APPLY_TILE) and keeps the long path's warps. The
+    partials kernel stays on the long path's knobs."""
+    from torchrec_triton_tbe.config import KnobTable
+
+    seen = _long_step_launches(monkeypatch, long_path, long_tile=KnobTable(2), long_warps=KnobTable(1),
+                               apply_tile=KnobTable(8), apply_warps=KnobTable(2), apply_scan=16)
+    if long_path == "split":
+        assert seen["_backward_long_partials_kernel"] == {(2, None, None, 1)}
+        assert seen["_backward_long_apply_kernel"] == {(8, None, 16, 2)}
+    else:
+        assert seen["_backward_long_fused_kernel"] == {(2, 8, None, 1)}
 
 
 def test_short_kernel_takes_its_register_cap_and_nothing_else_does(monkeypatch):

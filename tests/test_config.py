@@ -50,6 +50,9 @@ def test_knob_table_lookup():
         (("backward", "tile_fp32", {"default": 4, 128: 6}), "backward.tile_fp32 values must be powers of two"),
         (("backward", "long_tile", {"default": 4, 128: 3}), "backward.long_tile values must be powers of two"),
         (("backward", "long_warps", 0), "backward.long_warps values must be powers of two"),
+        (("backward", "apply_tile", {"default": 8, 128: 24}), "backward.apply_tile values must be powers of two"),
+        (("backward", "apply_warps", 3), "backward.apply_warps values must be powers of two"),
+        (("backward", "apply_scan", 0), "backward.apply_scan values must be powers of two"),
         (("backward", "max_registers", {"default": 0, 128: 100}), "backward.max_registers values must be 0"),
         (("backward", "max_registers", 256), "backward.max_registers values must be 0"),
         (("backward", "max_registers", 16), "backward.max_registers values must be 0"),
@@ -137,6 +140,23 @@ def test_long_path_knobs_fall_back_to_the_short_kernels(tmp_path):
     # One table for every weight width: the partials kernel reads fp32 gradients, never weights.
     assert bwd.long_knobs(128, 2) == bwd.long_knobs(128, 4) == (16, 4)
     assert bwd.long_knobs(64, 4) == (2, 1)
+
+
+def test_apply_knobs_fall_back_to_the_long_paths(tmp_path):
+    # Without apply_tile / apply_warps the apply takes the long path's tile and warps; it scans one chunk
+    # at a time unless apply_scan says more.
+    bwd = load_named("interpreter").backward
+    assert (bwd.apply_tile, bwd.apply_warps, bwd.apply_scan) == (None, None, 1)
+    assert bwd.apply_knobs(128, 4) == bwd.long_knobs(128, 4)
+    doc = yaml.safe_load((config_dir() / "interpreter.yaml").read_text())
+    doc["backward"]["apply_tile"] = {"default": 4, 128: 32}
+    doc["backward"]["apply_warps"] = {"default": 1, 128: 4}
+    doc["backward"]["apply_scan"] = 64
+    path = tmp_path / "apply.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    bwd = load_named(str(path)).backward
+    assert bwd.apply_knobs(128, 2) == bwd.apply_knobs(128, 4) == (32, 4)
+    assert bwd.apply_knobs(64, 4) == (4, 1) and bwd.apply_scan == 64
 
 
 def test_short_kernel_register_cap_by_block_d(tmp_path):

@@ -1,6 +1,7 @@
 """Knobs change speed, never results: the short/long threshold, the long-run chunk, the tile (the
-long path's own tile and warps too), the persistent grid size and the forward's gather width and bags per program all give the same weights
-(to fp32 rounding: split-K sums in another order); repeated runs are bitwise identical."""
+long path's own tile and warps too, and its apply's), the persistent grid size and the forward's gather
+width and bags per program all give the same weights (to fp32 rounding: split-K sums in another order);
+repeated runs are bitwise identical."""
 
 import pytest
 import torch
@@ -25,6 +26,12 @@ ROUTINGS = {
     "long-knobs": BASE.replace_backward(short_threshold=4, long_chunk=5, long_tile=KnobTable(8), long_warps=KnobTable(2)),
     "long-knobs-fused": BASE.replace_backward(short_threshold=4, long_chunk=5, long_path="fused",
                                               long_tile=KnobTable(1, ((16, 8),)), long_warps=KnobTable(2)),
+    # The apply's own tile and warps and its scan of several chunks per step (backward.apply_*): one-lookup
+    # chunks, so a scanned block holds several runs' first chunks and a run spans blocks of two programs.
+    "apply-knobs": BASE.replace_backward(short_threshold=1, long_chunk=1, programs=2, apply_tile=KnobTable(4),
+                                         apply_warps=KnobTable(2), apply_scan=4),
+    "apply-knobs-fused": BASE.replace_backward(short_threshold=1, long_chunk=1, programs=2, long_path="fused",
+                                               apply_tile=KnobTable(4), apply_warps=KnobTable(2), apply_scan=4),
 }
 
 
@@ -63,7 +70,7 @@ def test_routing_sweep_gives_the_same_result(pooling, weighted, optimizer):
         for state in ("momentum1", "momentum2"):
             assert_close(getattr(m, state), getattr(ref, state), f"{name}: {state}", atol=1e-6, rtol=1e-5)
     # The fused long path reduces each run's partials in the same (chunk) order as the split one.
-    for fused, split in [("mixed-fused-long", "mixed")]:
+    for fused, split in [("mixed-fused-long", "mixed"), ("apply-knobs-fused", "apply-knobs")]:
         for a, b in zip(results[fused][0].split_embedding_weights(), results[split][0].split_embedding_weights()):
             assert torch.equal(a, b), fused
         for state in ("momentum1", "momentum2"):

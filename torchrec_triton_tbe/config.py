@@ -212,6 +212,13 @@ class BackwardConfig:
     # gradient rows and no weights, so one table serves every weight precision.
     long_tile: Optional[KnobTable] = None
     long_warps: Optional[KnobTable] = None
+    # The long path's apply (one optimizer step per long run): partials summed per step and warps, by
+    # BLOCK_D (None: the long path's tile / warps), and chunks a program looks at per step for the first
+    # chunks of runs (1: one at a time). A hot row's run has thousands of chunks whose partials one program
+    # sums, a tile per step; the fused schedule sums them with the same tile (identical bits).
+    apply_tile: Optional[KnobTable] = None
+    apply_warps: Optional[KnobTable] = None
+    apply_scan: int = 1
     # The short kernel's cap on registers per thread (Triton's maxnreg), by BLOCK_D; 0 or None: the
     # compiler's choice. A cap below what ptxas wants spills to local memory, and buys resident warps:
     # the short kernel ran at 15 % occupancy with 147 registers at BLOCK_D 128 on dlrm_t26_l1 (Nsight
@@ -223,6 +230,12 @@ class BackwardConfig:
         """(tile, num_warps) of the long path's kernels at this BLOCK_D (before tile_warps' cap)."""
         tile = self.long_tile.get(block_d) if self.long_tile is not None else self.tiles(block_d, row_bytes)
         return tile, (self.long_warps or self.num_warps).get(block_d)
+
+    def apply_knobs(self, block_d: int, row_bytes: int) -> tuple[int, int]:
+        """(tile, num_warps) of the long path's apply at this BLOCK_D (before tile_warps' cap)."""
+        tile, warps = self.long_knobs(block_d, row_bytes)
+        return (self.apply_tile.get(block_d) if self.apply_tile is not None else tile,
+                self.apply_warps.get(block_d) if self.apply_warps is not None else warps)
 
     def short_maxnreg(self, block_d: int) -> Optional[int]:
         """The short kernel's register cap at this BLOCK_D (None: none)."""
@@ -429,6 +442,10 @@ class KernelConfig:
                 split_heaviest_max_lookups=int(b.get("split_heaviest_max_lookups", 0)),
                 long_tile=KnobTable.parse(b["long_tile"], "backward.long_tile") if "long_tile" in b else None,
                 long_warps=KnobTable.parse(b["long_warps"], "backward.long_warps") if "long_warps" in b else None,
+                apply_tile=KnobTable.parse(b["apply_tile"], "backward.apply_tile") if "apply_tile" in b else None,
+                apply_warps=(KnobTable.parse(b["apply_warps"], "backward.apply_warps")
+                             if "apply_warps" in b else None),
+                apply_scan=int(b.get("apply_scan", 1)),
                 max_registers=(KnobTable.parse(b["max_registers"], "backward.max_registers")
                                if "max_registers" in b else None),
             ),
@@ -460,6 +477,9 @@ class KernelConfig:
             ("backward.num_warps", self.backward.num_warps),
             ("backward.long_tile", self.backward.long_tile or KnobTable(1)),
             ("backward.long_warps", self.backward.long_warps or KnobTable(1)),
+            ("backward.apply_tile", self.backward.apply_tile or KnobTable(1)),
+            ("backward.apply_warps", self.backward.apply_warps or KnobTable(1)),
+            ("backward.apply_scan", KnobTable(self.backward.apply_scan)),
         ]:
             for v in [table.default] + [v for _, v in table.by_block_d]:
                 if not pow2(v):

@@ -246,6 +246,8 @@ def fused_update(
             warps = tile_warps(bcfg.num_warps.get(bd), tile * bd)
             long_tile, long_warps = bcfg.long_knobs(bd, row_bytes)
             long_warps = tile_warps(long_warps, long_tile * bd)
+            apply_tile, apply_warps = bcfg.apply_knobs(bd, row_bytes)
+            apply_warps = tile_warps(apply_warps, apply_tile * bd)
             update = dict(**spec.optimizer.constexprs(), SR_DROP_BITS=spec.sr_drop_bits)
             layout = (
                 out_offset,
@@ -306,7 +308,7 @@ def fused_update(
                         runs.chunk,
                         partial_stride,
                     ),
-                    dict(**long_modes, **update, **common, **gathers),
+                    dict(**long_modes, **update, **common, **gathers, APPLY_TILE=apply_tile),
                     long_warps,
                     long_stream,
                 )
@@ -354,8 +356,8 @@ def fused_update(
                     runs.bag_shift,
                     partial_stride,
                 ),
-                dict(TILE=long_tile, **update, **common),
-                long_warps,
+                dict(TILE=apply_tile, SCAN=bcfg.apply_scan, **update, **common),
+                apply_warps,
                 long_stream,
             )
 
