@@ -11,6 +11,7 @@ from gpu_cases import DEV, FTM, SPECS, batch
 from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.module import TritonTBE
+from torchrec_triton_tbe.ops.graphs import BackwardGraphs
 
 
 def two_modules(optimizer, graph_cache=8):
@@ -212,40 +213,73 @@ def test_gradient_read_in_place_then_copied_when_its_address_varies():
     assert torch.equal(graphed.momentum1, eager.momentum1)
 
 
+def _cache_the_card(small_bytes: int = 1 << 19) -> None:
+    """Leave under 20 MiB of the card free, the rest in PyTorch's cache (one cached block of the current
+    stream), so an allocation that needs a new large segment (20 MiB or more) finds none unless the cache
+    is freed. The cache is emptied first: a fill that had to free cached blocks itself would leave them
+    free. A small block is cached beside it: eager allocations under 1 MiB find room there instead of
+    failing, freeing every cached block (the allocator's retry outside a capture) and undoing the fill."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    primer = torch.empty(small_bytes, dtype=torch.uint8, device=DEV)
+    free, _ = torch.cuda.mem_get_info()
+    for margin in (2 << 20, 4 << 20, 8 << 20, 16 << 20):
+        try:
+            hog = torch.empty(free - margin, dtype=torch.uint8, device=DEV)
+            break
+        except torch.OutOfMemoryError:
+            continue
+    else:
+        pytest.fail(f"could not fill the card's {free} free bytes to within 16 MiB")
+    del hog, primer  # cached, not returned to the driver
+    left = torch.cuda.mem_get_info()[0]
+    assert left < 20 << 20, f"{left} bytes free: a new 20 MiB segment fits"
+
+
+def _allocator_counts() -> dict:
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k) for k in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")}
+
+
 def test_a_capture_gets_the_memory_the_cache_holds():
-    """The card's free memory all in PyTorch's cache when a key's second backward captures: a capture
-    cannot take cached blocks (the allocator frees none for it), so it ran out of memory, as the bench's
-    prod_t40_b16k_sigma did on the H200 after another shape had filled the cache (session 50). Now it
-    frees the cache and captures again (ops/graphs.BackwardGraphs._capture); the replayed step equals the
-    eager module's bit for bit."""
+    """BackwardGraphs._capture on a body that needs a new 64 MiB segment while the card's free memory is all
+    in PyTorch's cache: a capture cannot take cached blocks (the allocator frees none for it), so the first
+    attempt runs out of memory, as the bench's prod_t40_b16k_sigma did on the H200 after another shape had
+    filled the cache (session 50); the second, after the cache is freed, captures. The replay computes what
+    the body does."""
+    graphs = BackwardGraphs()
+    src = torch.arange(1 << 24, dtype=torch.float32, device=DEV)  # 64 MiB
+    dst = torch.zeros_like(src)
+
+    def body(x, y):
+        y.copy_(x * 2 + 1)  # x * 2: 64 MiB of the capture's pool
+
+    _cache_the_card()
+    before = _allocator_counts()
+    graph = graphs._capture(body, (src, dst), DEV, torch.cuda.current_stream(DEV).stream_id)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (graphs.captures, graphs.capture_retries) == (1, 1), (before, _allocator_counts())
+    assert torch.equal(dst, src * 2 + 1)
+
+
+def test_a_module_backward_captures_when_the_cache_holds_the_card():
+    """The same through a module: the cache holds the card when a key's second backward captures; the
+    capture is retried once and the replayed step equals the eager module's bit for bit."""
     graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-    idx, off, _ = batch(0, nb=8192)  # ~470 k lookups: the capture's scratch needs new 20 MB segments
+    idx, off, _ = batch(0, nb=8192)  # ~470 k lookups: the capture's scratch needs new 20 MiB segments
     for step in range(2):
         outs = [m(idx, off) for m in (graphed, eager)]
         grad = torch.randn(outs[0].shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step))
         if step == 1:
-            # Nothing is allocated between here and the capture (the backward's graph path copies into
-            # the key's static buffers), so no eager allocation frees the cache first. The cache is
-            # emptied before the card is measured: a hog that had to free cached blocks itself would
-            # leave them free for the capture.
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info()
-            for margin in (2 << 20, 4 << 20, 8 << 20, 16 << 20):
-                try:
-                    hog = torch.empty(free - margin, dtype=torch.uint8, device=DEV)
-                    break
-                except torch.OutOfMemoryError:
-                    continue
-            else:
-                pytest.fail(f"could not fill the card's {free} free bytes to within 16 MiB")
-            del hog  # cached, not returned to the driver
-            left = torch.cuda.mem_get_info()[0]
-            assert left < 20 << 20, f"{left} bytes free: the capture's first large segment (20 MiB) fits"
+            _cache_the_card()
+            before = _allocator_counts()
         for out in outs:
             out.backward(grad)
     torch.cuda.synchronize()
     g = graphed._backward_graphs
-    assert g.captures == 1 and g.capture_retries == 1, (g.captures, g.capture_retries)
+    # The counts tell a retry that never happened (no OOM) from a fill undone by an eager allocation
+    # (num_alloc_retries and num_device_free moved before the capture).
+    assert (g.captures, g.capture_retries) == (1, 1), (before, _allocator_counts())
     assert torch.equal(graphed.weights, eager.weights)
     assert torch.equal(graphed.momentum1, eager.momentum1)
