@@ -26,12 +26,13 @@ ROUTINGS = {
     "long-knobs": BASE.replace_backward(short_threshold=4, long_chunk=5, long_tile=KnobTable(8), long_warps=KnobTable(2)),
     "long-knobs-fused": BASE.replace_backward(short_threshold=4, long_chunk=5, long_path="fused",
                                               long_tile=KnobTable(1, ((16, 8),)), long_warps=KnobTable(2)),
-    # The apply's own tile and warps and its scan of several chunks per step (backward.apply_*): one-lookup
-    # chunks, so a scanned block holds several runs' first chunks and a run spans blocks of two programs.
-    "apply-knobs": BASE.replace_backward(short_threshold=1, long_chunk=1, programs=2, apply_tile=KnobTable(4),
-                                         apply_warps=KnobTable(2), apply_scan=4),
+    # The apply's own tile (8, the long path's being 4: the fused kernel must sum with it too) and its scan of
+    # several chunks per step (backward.apply_*): one-lookup chunks, so a scanned block holds several runs'
+    # first chunks and a run spans blocks of two programs. (Warps: the interpreter has none.)
+    "apply-knobs": BASE.replace_backward(short_threshold=1, long_chunk=1, programs=2, apply_tile=KnobTable(8),
+                                         apply_scan=4),
     "apply-knobs-fused": BASE.replace_backward(short_threshold=1, long_chunk=1, programs=2, long_path="fused",
-                                               apply_tile=KnobTable(4), apply_warps=KnobTable(2), apply_scan=4),
+                                               apply_tile=KnobTable(8), apply_scan=4),
 }
 
 

@@ -215,7 +215,9 @@ class BackwardConfig:
     # The long path's apply (one optimizer step per long run): partials summed per step and warps, by
     # BLOCK_D (None: the long path's tile / warps), and chunks a program looks at per step for the first
     # chunks of runs (1: one at a time). A hot row's run has thousands of chunks whose partials one program
-    # sums, a tile per step; the fused schedule sums them with the same tile (identical bits).
+    # sums, a tile per step. The fused schedule sums them with the same tile but on the long path's warps
+    # (apply_warps is the split apply's only): the two give identical bits when those warps are equal, as
+    # the last sum across a tile follows the compiled layout.
     apply_tile: Optional[KnobTable] = None
     apply_warps: Optional[KnobTable] = None
     apply_scan: int = 1

@@ -7,7 +7,9 @@ Two schedules of the same arithmetic (config `backward.long_path`): "split" (the
 then the apply kernel, ordered by the stream) and "fused" (one launch; the last chunk of a run to
 finish applies it, found with an acquire-release counter). Both reduce a run's partials in chunk
 order, the same number per step (the apply tile, `backward.apply_tile`, which the fused kernel takes as
-APPLY_TILE), so they give identical bits; which is faster is measured per target (configs/).
+APPLY_TILE), so they give identical bits, provided the apply runs on the long path's warps (the default): the
+final sum across a tile follows the compiled layout, and the fused kernel keeps the long path's warps where
+the split apply takes `backward.apply_warps`. Which schedule is faster is measured per target (configs/).
 
 Byte accounting: per lookup as grad_gather.py; per chunk 4 * BLOCK_D bytes written then read back;
 per long run one row read + written and its optimizer state (kernels/optim.py).
@@ -113,34 +115,49 @@ def _backward_long_apply_kernel(
     per step) and applies the optimizer; programs meeting other chunks move on. Runs only after the
     partials kernel has finished (stream order), so every partial has landed.
 
-    A program looks at SCAN consecutive chunks at once: their runs and those runs' first chunks are two
-    vector loads, where one chunk at a time made each chunk two dependent scalar round trips (a hot row's
-    thousands of chunks hold one first chunk; on 42 M Zipf lookups this pass scanned ~300 k chunks)."""
+    SCAN > 1: a program looks at SCAN consecutive chunks at once, their runs and those runs' first chunks in
+    two vector loads, where one chunk at a time (SCAN == 1, the loop of every release before it) takes two
+    dependent scalar round trips per chunk (a hot row's thousands of chunks hold one first chunk; on 42 M
+    Zipf lookups this pass scans ~300 k chunks). The runs of a block are applied by its one program, one
+    after another, where the one-chunk loop spreads them over programs."""
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
     step = tl.load(step_ptr)
     cols = tl.arange(0, BLOCK_D)
-    lanes = tl.arange(0, SCAN)
     c_begin = tl.load(bucket_chunk_bounds_ptr + bucket).to(tl.int64)
     c_end = tl.load(bucket_chunk_bounds_ptr + bucket + 1).to(tl.int64)
-    for c0 in range(c_begin + pid * SCAN, c_end, NPROG * SCAN):
-        c = c0 + lanes
-        m = c < c_end
-        r = tl.load(chunk_run_ptr + c, mask=m, other=0)
-        first = m & (tl.load(run_chunk_begin_ptr + r, mask=m, other=-1).to(tl.int64) == c)
-        # The block's first chunks, lowest first: each found with a vector min, no memory access.
-        pos = tl.where(first, lanes, SCAN)
-        for _ in range(tl.sum(first.to(tl.int32), axis=0)):
-            i = tl.min(pos, axis=0)
-            pos = tl.where(pos == i, SCAN, pos)
-            run = tl.sum(tl.where(lanes == i, r, 0), axis=0)
-            _apply_run(
-                weights_ptr, m1_ptr, m2_ptr, m3_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr,
-                feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
-                tl.load(run_start_ptr + run).to(tl.int64), c0 + i, tl.load(run_chunk_begin_ptr + run + 1).to(tl.int64),
-                B, bag_shift, partial_stride, lr, hyper_ptr, step, cols, OPTIM, WD_MODE, MAX_NORM, ROW_BIAS,
-                SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
-            )
+    if SCAN == 1:
+        for c in range(c_begin + pid, c_end, NPROG):
+            r = tl.load(chunk_run_ptr + c)
+            first_chunk = tl.load(run_chunk_begin_ptr + r).to(tl.int64)
+            if c == first_chunk:
+                _apply_run(
+                    weights_ptr, m1_ptr, m2_ptr, m3_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr,
+                    feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                    tl.load(run_start_ptr + r).to(tl.int64), first_chunk,
+                    tl.load(run_chunk_begin_ptr + r + 1).to(tl.int64), B, bag_shift, partial_stride, lr, hyper_ptr,
+                    step, cols, OPTIM, WD_MODE, MAX_NORM, ROW_BIAS, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
+                )
+    else:
+        lanes = tl.arange(0, SCAN)
+        for c0 in range(c_begin + pid * SCAN, c_end, NPROG * SCAN):
+            c = c0 + lanes
+            m = c < c_end
+            r = tl.load(chunk_run_ptr + c, mask=m, other=0)
+            first = m & (tl.load(run_chunk_begin_ptr + r, mask=m, other=-1).to(tl.int64) == c)
+            # The block's first chunks, lowest first: each found with a vector min, no memory access.
+            pos = tl.where(first, lanes, SCAN)
+            for _ in range(tl.sum(first.to(tl.int32), axis=0)):
+                i = tl.min(pos, axis=0)
+                pos = tl.where(pos == i, SCAN, pos)
+                run = tl.sum(tl.where(lanes == i, r, 0), axis=0)
+                _apply_run(
+                    weights_ptr, m1_ptr, m2_ptr, m3_ptr, partials_ptr, sorted_keys_ptr, sorted_bags_ptr,
+                    feature_key_offset_ptr, feature_weight_offset_ptr, feature_row_offset_ptr, feature_dim_ptr,
+                    tl.load(run_start_ptr + run).to(tl.int64), c0 + i,
+                    tl.load(run_chunk_begin_ptr + run + 1).to(tl.int64), B, bag_shift, partial_stride, lr, hyper_ptr,
+                    step, cols, OPTIM, WD_MODE, MAX_NORM, ROW_BIAS, SR_DROP_BITS, EVEN_D, ALIGN, BLOCK_D, TILE,
+                )
 
 
 @triton.jit(do_not_specialize=["NPROG"])
