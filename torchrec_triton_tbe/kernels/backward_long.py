@@ -118,7 +118,7 @@ def _backward_long_apply_kernel(
     SCAN > 1: a program looks at SCAN consecutive chunks at once, their runs and those runs' first chunks in
     two vector loads, where one chunk at a time (SCAN == 1, the loop of every release before it) takes two
     dependent scalar round trips per chunk (a hot row's thousands of chunks hold one first chunk; on 42 M
-    Zipf lookups this pass scans ~300 k chunks). The runs of a block are applied by its one program, one
+    Zipf lookups this pass scans ~300 k chunks, estimated). The runs of a block are applied by its one program, one
     after another, where the one-chunk loop spreads them over programs."""
     pid = tl.program_id(0)
     lr = tl.load(lr_ptr)
