@@ -216,3 +216,33 @@ def test_a_capture_that_runs_out_of_memory_is_retried_once_after_freeing_the_cac
         graphs._capture(None, (), torch.device("cpu"), None)
     assert graphs.capture_retries == 2 and outcomes == ["graph"]
     assert any("ending the failed capture failed too" in note for note in raised.value.__notes__)
+
+
+def test_a_key_first_call_makes_the_streams_its_capture_will_use(monkeypatch):
+    """The capture's side stream and the backward's bucket side streams are made on a key's first call
+    (ops/graphs.py _make_streams): creating a stream takes driver memory, which a later capture could not
+    free the cache for (launch.new_stream). Made once: a second key makes none."""
+    from torchrec_triton_tbe.ops import launch as launch_ops
+
+    m, spec = _spec_with(graph_cache=2)
+    asked = []
+    graphs = BackwardGraphs()
+    monkeypatch.setattr(graphs, "_make_streams", lambda device, n=1: asked.append((device.type, n)))
+    for n in (1000, 1500):  # two keys, each on its first call
+        off = torch.tensor([0, n // 3, n // 2, n], dtype=torch.int64)
+        graphs.run(spec, m.optimizer_tensors(), torch.arange(n) % 20, off, torch.randn(1, m.total_D), None,
+                   torch.tensor([1]), 1, lambda *statics: None)
+    assert asked == [("cpu", spec.config.backward.bucket_streams)] * 2
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or f"stream{len(made)}")
+    monkeypatch.setattr(launch_ops, "_SIDE_STREAMS", {})
+    graphs = BackwardGraphs()
+    cuda = torch.device("cuda", 0)
+    graphs._make_streams(cuda, 4)
+    assert graphs._side == "stream1" and launch_ops._SIDE_STREAMS[0] == ["stream2", "stream3", "stream4"]
+    graphs._make_streams(cuda, 4)
+    graphs._make_streams(cuda)  # what _capture asks for: the side stream only
+    assert len(made) == 4
+    graphs._make_streams(torch.device("cpu"), 4)  # off CUDA: nothing
+    assert len(made) == 4

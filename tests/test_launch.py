@@ -187,3 +187,62 @@ def test_grid_y_slices_cover_every_entry_once_and_keep_the_specialization(dtype)
         assert torch.equal(torch.cat(slices), features)
         assert all(s.numel() <= launch_mod.MAX_GRID_Y for s in slices)
         assert {launch_mod.arg_key((s,)) for s in slices} == {launch_mod.arg_key((features,))}
+
+
+class _Streams:
+    """torch.cuda.Stream stand-in: raises the queued errors first, then makes "streams"; counts the cache frees."""
+
+    def __init__(self, monkeypatch, errors, capturing=False):
+        self.errors, self.made, self.freed = list(errors), [], 0
+        monkeypatch.setattr(torch.cuda, "Stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+    def stream(self, device=None):
+        if self.errors:
+            raise self.errors.pop(0)
+        self.made.append(device)
+        return f"stream{len(self.made)}"
+
+    def empty_cache(self):
+        self.freed += 1
+
+
+# CUDA's out-of-memory error as PyTorch raises it from cudaStreamCreate (torch.AcceleratorError in torch 2.11,
+# a RuntimeError) when the cache holds the card (the H100, session 52).
+_OOM = RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com")
+
+
+def test_a_stream_that_finds_no_memory_frees_the_cache_once_and_is_made(monkeypatch):
+    fake = _Streams(monkeypatch, [_OOM])
+    assert launch_mod.new_stream(3) == "stream1"
+    assert (fake.made, fake.freed) == ([3], 1)
+
+
+def test_a_second_out_of_memory_is_raised(monkeypatch):
+    fake = _Streams(monkeypatch, [_OOM, _OOM])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        launch_mod.new_stream(0)
+    assert (fake.made, fake.freed) == ([], 1)
+
+
+@pytest.mark.parametrize(
+    "error, capturing", [(_OOM, True), (RuntimeError("CUDA error: invalid device ordinal"), False)]
+)
+def test_no_cache_free_inside_a_capture_or_for_other_errors(monkeypatch, error, capturing):
+    """Freeing memory during a capture is not allowed, and other errors have nothing to do with memory:
+    raised as they are, the cache untouched."""
+    fake = _Streams(monkeypatch, [error], capturing=capturing)
+    with pytest.raises(RuntimeError) as raised:
+        launch_mod.new_stream(0)
+    assert raised.value is error and (fake.made, fake.freed) == ([], 0)
+
+
+def test_side_streams_are_made_once_per_device_and_shared(monkeypatch):
+    fake = _Streams(monkeypatch, [_OOM])
+    monkeypatch.setattr(launch_mod, "_SIDE_STREAMS", {})
+    device = torch.device("cuda", 1)
+    assert launch_mod.side_streams(device, 2) == ["stream1", "stream2"]
+    assert launch_mod.side_streams(device, 3) == ["stream1", "stream2", "stream3"]
+    assert launch_mod.side_streams(device, 1) == ["stream1"]
+    assert (fake.made, fake.freed) == ([1, 1, 1], 1)

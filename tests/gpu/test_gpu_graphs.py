@@ -12,6 +12,7 @@ from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
+from torchrec_triton_tbe.ops.launch import new_stream
 
 
 def two_modules(optimizer, graph_cache=8):
@@ -213,6 +214,14 @@ def test_gradient_read_in_place_then_copied_when_its_address_varies():
     assert torch.equal(graphed.momentum1, eager.momentum1)
 
 
+@pytest.fixture(autouse=True)
+def _give_the_cache_back():
+    """A test that filled the cache (_cache_the_card) leaves it to the driver for the next one."""
+    yield
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def _cache_the_card(small_bytes: int = 1 << 19) -> None:
     """Leave under 20 MiB of the card free, the rest in PyTorch's cache (one cached block of the current
     stream), so an allocation that needs a new large segment (20 MiB or more) finds none unless the cache
@@ -251,17 +260,36 @@ def test_a_capture_gets_the_memory_the_cache_holds():
     graphs = BackwardGraphs()
     src = torch.arange(1 << 24, dtype=torch.float32, device=DEV)  # 64 MiB
     dst = torch.zeros_like(src)
+    stream = torch.cuda.current_stream(DEV).stream_id
 
     def body(x, y):
         y.copy_(x * 2 + 1)  # x * 2: 64 MiB of the capture's pool
 
+    # A first capture, of a body that allocates nothing, makes the side stream captures run on while the
+    # card is free (a module makes it on a key's first call): a stream made after the fill would free the
+    # cache itself (launch.new_stream; the test below).
+    graphs._capture(lambda y: y.zero_(), (dst,), DEV, stream)
     _cache_the_card()
     before = _allocator_counts()
-    graph = graphs._capture(body, (src, dst), DEV, torch.cuda.current_stream(DEV).stream_id)
+    graph = graphs._capture(body, (src, dst), DEV, stream)
     graph.replay()
     torch.cuda.synchronize()
-    assert (graphs.captures, graphs.capture_retries) == (1, 1), (before, _allocator_counts())
+    assert (graphs.captures, graphs.capture_retries) == (2, 1), (before, _allocator_counts())
     assert torch.equal(dst, src * 2 + 1)
+
+
+def test_a_stream_is_made_when_the_cache_holds_the_card():
+    """Creating a CUDA stream takes driver memory outside PyTorch's cache: with the cache holding the card
+    it failed with CUDA's out-of-memory error (the H100, session 52: the first version of the capture tests
+    above met it in the capture's side stream and the bucket streams). launch.new_stream frees the cache
+    and makes it; work queued on it runs."""
+    _cache_the_card()
+    before = _allocator_counts()
+    side = new_stream(DEV)
+    with torch.cuda.stream(side):
+        x = torch.full((1 << 20,), 3.0, device=DEV) * 2
+    side.synchronize()
+    assert torch.equal(x, torch.full_like(x, 6.0)), (before, _allocator_counts())
 
 
 def test_a_module_backward_captures_when_the_cache_holds_the_card():
@@ -270,7 +298,8 @@ def test_a_module_backward_captures_when_the_cache_holds_the_card():
     block matters here: the capture's start allocates the default generator's graph state (two int64[1]
     tensors, PyTorch's CUDAGraph::capture_begin), and with no room for their 2 MiB segment that eager
     allocation would fail and free every cached block, the fill included (the likely reason the first
-    version of this test, without it, saw no retry on the H100 in session 51)."""
+    version of this test, without it, saw no retry on the H100 in session 51). The key's first call, step 0,
+    made the capture's streams (ops/graphs.py), before the fill."""
     graphed, eager = two_modules(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     idx, off, _ = batch(0, nb=8192)  # ~470 k lookups: the capture's scratch needs new 20 MiB segments
     for step in range(2):

@@ -56,6 +56,7 @@ from typing import Callable, Optional
 import torch
 
 from torchrec_triton_tbe import _env
+from torchrec_triton_tbe.ops import launch as launch_ops
 
 # N rounds up to 1/2**PAD_BITS of its leading power of two (at most 12.5 % padding, which is sorted
 # and skipped: a few microseconds on the batches that take this path).
@@ -174,6 +175,10 @@ class BackwardGraphs:
         )
         entry = self._entries.get(key)
         if entry is None:
+            # The streams a capture uses, made now, before any: creating a stream takes driver memory, and
+            # a capture of a process whose cache has since grown to hold the card could not free the cache
+            # to make one (launch.new_stream); a key's first call comes early, often at the first step.
+            self._make_streams(device, spec.config.backward.bucket_streams)
             entry = _Entry(spec, indices, offsets, per_sample_weights, step, n_static, stream)
             self._entries[key] = entry
             while len(self._entries) > max(1, spec.config.backward.graph_cache):
@@ -195,6 +200,16 @@ class BackwardGraphs:
         graph.replay()
         self.replays += 1
 
+    def _make_streams(self, device: torch.device, bucket_streams: int = 1) -> None:
+        """The capture's side stream and the bucket side streams its body may fork to (shared by every
+        module of the device, launch.side_streams), where they do not exist yet. None off CUDA (the CPU
+        tests drive the bookkeeping only)."""
+        if device.type != "cuda":
+            return
+        if self._side is None:
+            self._side = launch_ops.new_stream(device)
+        launch_ops.side_streams(device, bucket_streams - 1)
+
     def _capture(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
         """A graph of ``body`` on ``statics``; once more after freeing the memory cache if the capture ran
         out of memory. While a capture is underway PyTorch's caching allocator gets the graph pool's memory
@@ -204,6 +219,7 @@ class BackwardGraphs:
         50). The retry frees the cache (torch.cuda.empty_cache, which syncs the device: on this path
         only); a second failure is raised. Not where the failed capture could not be ended: the allocator
         may still route this thread's allocations to its pool, and no retry helps."""
+        self._make_streams(device)
         try:
             return self._capture_once(body, statics, device, stream)
         except torch.OutOfMemoryError as error:
@@ -218,8 +234,6 @@ class BackwardGraphs:
 
     def _capture_once(self, body, statics, device: torch.device, stream) -> torch.cuda.CUDAGraph:
         current = torch.cuda.current_stream(device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
         # Share the memory pool of a live graph of this module replayed on the same stream (everything
         # in it is per-replay scratch, and replays on one stream never overlap). With none left, a new
         # pool: a pool whose graphs were all dropped cannot be joined again (PyTorch asserts on its

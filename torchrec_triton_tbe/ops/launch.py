@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import threading
 from typing import Any, Iterator, Optional, Sequence
@@ -125,8 +126,27 @@ def side_streams(device: torch.device, n: int) -> list:
     index = device.index if device.index is not None else torch.cuda.current_device()
     have = _SIDE_STREAMS.setdefault(index, [])
     while len(have) < n:
-        have.append(torch.cuda.Stream(device=index))
+        have.append(new_stream(index))
     return have[:n]
+
+
+def new_stream(device) -> torch.cuda.Stream:
+    """A new CUDA stream of ``device``. Creating one takes memory from the driver, outside PyTorch's caching
+    allocator, so it fails with CUDA's out-of-memory error in a process whose cache holds the card (on the
+    H100, session 52: under 20 MiB free, the rest cached) where a tensor allocation would free the cached
+    blocks and try again. This does the same: it frees the cache once (torch.cuda.empty_cache, which syncs
+    the device: on this path only) and tries again; a second failure is raised. Not inside a capture on
+    the current stream, where freeing memory is not allowed: there the error is raised at once (the
+    graph path makes its streams before it captures, ops/graphs.py)."""
+    try:
+        return torch.cuda.Stream(device=device)
+    except RuntimeError as error:  # torch.AcceleratorError (torch 2.9+) or OutOfMemoryError: both RuntimeErrors
+        if "out of memory" not in str(error) or torch.cuda.is_current_stream_capturing():
+            raise
+    # Outside the except block, as in ops/graphs.py: nothing of the failed call should stay referenced.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.Stream(device=device)
 
 
 # Events that order side streams after / before the caller's stream, per thread and device: reused
