@@ -222,15 +222,19 @@ def _give_the_cache_back():
     torch.cuda.empty_cache()
 
 
-def _cache_the_card(small_bytes: int = 1 << 19) -> None:
+def _cache_the_card(small_stream=None, small_bytes: int = 1 << 19) -> None:
     """Leave under 20 MiB of the card free, the rest in PyTorch's cache (one cached block of the current
     stream), so an allocation that needs a new large segment (20 MiB or more) finds none unless the cache
     is freed. The cache is emptied first: a fill that had to free cached blocks itself would leave them
-    free. A small block is cached beside it: eager allocations under 1 MiB find room there instead of
-    failing, freeing every cached block (the allocator's retry outside a capture) and undoing the fill."""
+    free. A small block is cached beside it, on ``small_stream`` (the capture's side stream: the cache
+    keeps blocks per stream, and the capture's start allocates on that stream before the capture
+    begins): eager allocations under 1 MiB find room there instead of failing, freeing every cached block
+    (the allocator's last resort outside a capture) and undoing the fill. Session 52's H100 run showed
+    that: with the small block on the current stream, each capture found memory after one such retry."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    primer = torch.empty(small_bytes, dtype=torch.uint8, device=DEV)
+    with torch.cuda.stream(small_stream or torch.cuda.current_stream(DEV)):
+        primer = torch.empty(small_bytes, dtype=torch.uint8, device=DEV)
     free, _ = torch.cuda.mem_get_info()
     for margin in (2 << 20, 4 << 20, 8 << 20, 16 << 20):
         try:
@@ -269,7 +273,7 @@ def test_a_capture_gets_the_memory_the_cache_holds():
     # card is free (a module makes it on a key's first call): a stream made after the fill would free the
     # cache itself (launch.new_stream; the test below).
     graphs._capture(lambda y: y.zero_(), (dst,), DEV, stream)
-    _cache_the_card()
+    _cache_the_card(graphs._side)
     before = _allocator_counts()
     graph = graphs._capture(body, (src, dst), DEV, stream)
     graph.replay()
@@ -306,7 +310,7 @@ def test_a_module_backward_captures_when_the_cache_holds_the_card():
         outs = [m(idx, off) for m in (graphed, eager)]
         grad = torch.randn(outs[0].shape, device=DEV, generator=torch.Generator(DEV).manual_seed(step))
         if step == 1:
-            _cache_the_card()
+            _cache_the_card(graphed._backward_graphs._side)
             before = _allocator_counts()
         for m, out in enumerate(outs):
             out.backward(grad)
