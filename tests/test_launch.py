@@ -208,9 +208,11 @@ class _Streams:
         self.freed += 1
 
 
-# CUDA's out-of-memory error as PyTorch raises it from cudaStreamCreate (torch.AcceleratorError in torch 2.11,
-# a RuntimeError) when the cache holds the card (the H100, session 52).
-_OOM = RuntimeError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com")
+# CUDA's out-of-memory error as PyTorch raised it from the stream pool's cudaStreamCreate when the cache held the
+# card (the H100, session 52): torch.AcceleratorError, a RuntimeError (where this torch has it).
+_OOM = getattr(torch, "AcceleratorError", RuntimeError)(
+    "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com"
+)
 
 
 def test_a_stream_that_finds_no_memory_frees_the_cache_once_and_is_made(monkeypatch):

@@ -4,6 +4,10 @@ forward and its backward, stochastic rounding,
 per-sample weights with their gradient, eviction), capture and replay never sync the host, and a capture
 that runs out of memory frees the cache and captures again."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gpu_cases import DEV, FTM, SPECS, batch
@@ -12,7 +16,8 @@ from torchrec_triton_tbe._fbgemm import EmbOptimType, SparseType
 from torchrec_triton_tbe.config import load_config
 from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops.graphs import BackwardGraphs
-from torchrec_triton_tbe.ops.launch import new_stream
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def two_modules(optimizer, graph_cache=8):
@@ -222,19 +227,22 @@ def _give_the_cache_back():
     torch.cuda.empty_cache()
 
 
-def _cache_the_card(small_stream=None, small_bytes: int = 1 << 19) -> None:
+def _cache_the_card(side_stream=None, small_bytes: int = 1 << 19) -> None:
     """Leave under 20 MiB of the card free, the rest in PyTorch's cache (one cached block of the current
     stream), so an allocation that needs a new large segment (20 MiB or more) finds none unless the cache
     is freed. The cache is emptied first: a fill that had to free cached blocks itself would leave them
-    free. A small block is cached beside it, on ``small_stream`` (the capture's side stream: the cache
-    keeps blocks per stream, and the capture's start allocates on that stream before the capture
-    begins): eager allocations under 1 MiB find room there instead of failing, freeing every cached block
-    (the allocator's last resort outside a capture) and undoing the fill. Session 52's H100 run showed
-    that: with the small block on the current stream, each capture found memory after one such retry."""
+    free. A small block is cached beside it on the current stream and one on ``side_stream`` (the
+    capture's: the cache keeps blocks per stream, and the capture's start allocates the default
+    generator's state on that stream before the capture begins): eager allocations under 1 MiB find room
+    there instead of failing, freeing every cached block (the allocator's last resort outside a capture)
+    and undoing the fill. Session 52's H100 run showed that: with a small block on the current stream
+    only, each capture found memory after one such retry."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    with torch.cuda.stream(small_stream or torch.cuda.current_stream(DEV)):
-        primer = torch.empty(small_bytes, dtype=torch.uint8, device=DEV)
+    primers = [torch.empty(small_bytes, dtype=torch.uint8, device=DEV)]
+    if side_stream is not None:
+        with torch.cuda.stream(side_stream):
+            primers.append(torch.empty(small_bytes, dtype=torch.uint8, device=DEV))
     free, _ = torch.cuda.mem_get_info()
     for margin in (2 << 20, 4 << 20, 8 << 20, 16 << 20):
         try:
@@ -244,7 +252,7 @@ def _cache_the_card(small_stream=None, small_bytes: int = 1 << 19) -> None:
             continue
     else:
         pytest.fail(f"could not fill the card's {free} free bytes to within 16 MiB")
-    del hog, primer  # cached, not returned to the driver
+    del hog, primers  # cached, not returned to the driver
     left = torch.cuda.mem_get_info()[0]
     assert left < 20 << 20, f"{left} bytes free: a new 20 MiB segment fits"
 
@@ -270,8 +278,8 @@ def test_a_capture_gets_the_memory_the_cache_holds():
         y.copy_(x * 2 + 1)  # x * 2: 64 MiB of the capture's pool
 
     # A first capture, of a body that allocates nothing, makes the side stream captures run on while the
-    # card is free (a module makes it on a key's first call): a stream made after the fill would free the
-    # cache itself (launch.new_stream; the test below).
+    # card is free (a module makes it on a key's first call): were it the process's first stream, made after
+    # the fill, it would free the cache itself (launch.new_stream; the test below).
     graphs._capture(lambda y: y.zero_(), (dst,), DEV, stream)
     _cache_the_card(graphs._side)
     before = _allocator_counts()
@@ -282,18 +290,42 @@ def test_a_capture_gets_the_memory_the_cache_holds():
     assert torch.equal(dst, src * 2 + 1)
 
 
-def test_a_stream_is_made_when_the_cache_holds_the_card():
-    """Creating a CUDA stream takes driver memory outside PyTorch's cache: with the cache holding the card
-    it failed with CUDA's out-of-memory error (the H100, session 52: the first version of the capture tests
-    above met it in the capture's side stream and the bucket streams). launch.new_stream frees the cache
-    and makes it; work queued on it runs."""
-    _cache_the_card()
-    before = _allocator_counts()
-    side = new_stream(DEV)
-    with torch.cuda.stream(side):
-        x = torch.full((1 << 20,), 3.0, device=DEV) * 2
-    side.synchronize()
-    assert torch.equal(x, torch.full_like(x, 6.0)), (before, _allocator_counts())
+# Run in a fresh process: what needs driver memory is the process's first stream request of the device, which
+# creates PyTorch's stream pool (c10's getStreamFromPool: 32 streams per priority, made at once); later
+# torch.cuda.Stream() calls hand out pool streams and allocate nothing.
+_FIRST_STREAM = r"""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests/gpu")
+from test_gpu_graphs import DEV, _cache_the_card  # noqa: E402  (no stream: the current one only)
+
+from torchrec_triton_tbe.ops import launch  # noqa: E402
+
+_cache_the_card()
+frees = []
+empty_cache = torch.cuda.empty_cache
+torch.cuda.empty_cache = lambda: (frees.append(torch.cuda.mem_get_info()[0]), empty_cache())
+side = launch.new_stream(DEV)
+with torch.cuda.stream(side):
+    x = torch.full((1 << 20,), 3.0, device=DEV) * 2
+side.synchronize()
+assert torch.equal(x, torch.full_like(x, 6.0))
+print("cache frees:", len(frees))
+"""
+
+
+def test_the_first_stream_is_made_when_the_cache_holds_the_card():
+    """A process's first CUDA stream (PyTorch's stream pool, above) takes driver memory outside PyTorch's
+    cache: with the cache holding the card it failed with CUDA's out-of-memory error (the H100, session 52:
+    the first version of the capture tests above met it in the capture's side stream, then in the bucket
+    streams). launch.new_stream frees the cache once and makes it; work queued on it runs. One free: the
+    first attempt failed, as on the H100 (if a card ever fits the pool in the fill's margin, this says so)."""
+    proc = subprocess.run([sys.executable, "-c", _FIRST_STREAM], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "cache frees: 1" in proc.stdout, f"the pool was made without freeing the cache: {proc.stdout!r}"
 
 
 def test_a_module_backward_captures_when_the_cache_holds_the_card():

@@ -175,9 +175,10 @@ class BackwardGraphs:
         )
         entry = self._entries.get(key)
         if entry is None:
-            # The streams a capture uses, made now, before any: creating a stream takes driver memory, and
-            # a capture of a process whose cache has since grown to hold the card could not free the cache
-            # to make one (launch.new_stream); a key's first call comes early, often at the first step.
+            # The streams a capture uses, taken now, before any capture: the process's first stream takes
+            # driver memory (PyTorch's stream pool), and a capture in a process whose cache has since grown
+            # to hold the card could not free the cache for it (launch.new_stream); a key's first call comes
+            # early, often at the first step.
             self._make_streams(device, spec.config.backward.bucket_streams)
             entry = _Entry(spec, indices, offsets, per_sample_weights, step, n_static, stream)
             self._entries[key] = entry
@@ -202,7 +203,7 @@ class BackwardGraphs:
 
     def _make_streams(self, device: torch.device, bucket_streams: int = 1) -> None:
         """The capture's side stream and the bucket side streams its body may fork to (shared by every
-        module of the device, launch.side_streams), where they do not exist yet. None off CUDA (the CPU
+        module of the device, launch.side_streams), where this has none yet. None off CUDA (the CPU
         tests drive the bookkeeping only)."""
         if device.type != "cuda":
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import inspect
 import threading
 from typing import Any, Iterator, Optional, Sequence
@@ -116,8 +115,9 @@ def _tail(kernel, num_args: int, constexprs: dict) -> tuple:
     return tuple(constexprs.get(name, default) for name, default in params[num_args:])
 
 
-# device index -> side streams, created on first use and shared by every module on that device (a
-# stream per call or per module would pile up CUDA streams in long-lived processes).
+# device index -> side streams, taken on first use and shared by every module on that device: the same streams
+# on every call (torch.cuda.Stream() hands out PyTorch's pooled streams in turn, so streams taken per call or
+# per module would land on one another's after 32).
 _SIDE_STREAMS: dict = {}
 
 
@@ -131,20 +131,20 @@ def side_streams(device: torch.device, n: int) -> list:
 
 
 def new_stream(device) -> torch.cuda.Stream:
-    """A new CUDA stream of ``device``. Creating one takes memory from the driver, outside PyTorch's caching
-    allocator, so it fails with CUDA's out-of-memory error in a process whose cache holds the card (on the
-    H100, session 52: under 20 MiB free, the rest cached) where a tensor allocation would free the cached
-    blocks and try again. This does the same: it frees the cache once (torch.cuda.empty_cache, which syncs
-    the device: on this path only) and tries again; a second failure is raised. Not inside a capture on
-    the current stream, where freeing memory is not allowed: there the error is raised at once (the
-    graph path makes its streams before it captures, ops/graphs.py)."""
+    """A CUDA stream of ``device`` (``torch.cuda.Stream()``: one of PyTorch's pooled streams). The process's
+    first request of a device creates the pool (c10's getStreamFromPool: 32 streams per priority at once),
+    which takes memory from the driver, outside PyTorch's caching allocator: it fails with CUDA's
+    out-of-memory error in a process whose cache holds the card (the H100, session 52: under 20 MiB free,
+    the rest cached), where a tensor allocation would free the cached blocks and try again. This does the
+    same: it frees the cache once (torch.cuda.empty_cache, which syncs the device: on this path only) and
+    tries again (the pool's creation is retried: a failed one is not marked done); a second failure is
+    raised. Not inside a capture on the current stream, where freeing memory is not allowed: there the
+    error is raised at once (the graph path takes its streams before it captures, ops/graphs.py)."""
     try:
         return torch.cuda.Stream(device=device)
     except RuntimeError as error:  # torch.AcceleratorError (torch 2.9+) or OutOfMemoryError: both RuntimeErrors
         if "out of memory" not in str(error) or torch.cuda.is_current_stream_capturing():
             raise
-    # Outside the except block, as in ops/graphs.py: nothing of the failed call should stay referenced.
-    gc.collect()
     torch.cuda.empty_cache()
     return torch.cuda.Stream(device=device)
 
