@@ -328,6 +328,50 @@ def test_the_first_stream_is_made_when_the_cache_holds_the_card():
     assert "cache frees: 1" in proc.stdout, f"the pool was made without freeing the cache: {proc.stdout!r}"
 
 
+# Also a fresh process: a kernel's module is loaded once per process, at its first launch.
+_FIRST_LOAD = r"""
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "tests/gpu")
+from test_gpu_graphs import DEV, _cache_the_card  # noqa: E402
+
+from torchrec_triton_tbe.ops import launch  # noqa: E402
+
+
+@triton.jit
+def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1.0, mask=o < n)
+
+
+x = torch.zeros(1 << 16, device=DEV)
+launch.new_stream(DEV)  # the stream pool first: only the module load is left to need driver memory
+_add_one.warmup(x, x.numel(), BLOCK=256, grid=(1,))  # compiled into Triton's cache, not loaded
+_cache_the_card()
+frees = []
+empty_cache = torch.cuda.empty_cache
+torch.cuda.empty_cache = lambda: (frees.append(torch.cuda.mem_get_info()[0]), empty_cache())
+launch.launch(_add_one, (x.numel() // 256,), (x, x.numel()), dict(BLOCK=256), 4)
+torch.cuda.synchronize()
+assert torch.equal(x, torch.ones_like(x))
+print("cache frees:", len(frees))
+"""
+
+
+def test_a_kernel_first_launched_when_the_cache_holds_the_card_loads():
+    """A kernel's first launch in a process loads its module (cuModuleLoadData), which takes driver memory
+    outside PyTorch's cache, as the stream pool does: a kernel first met when the cache holds the card (a new
+    batch shape late in a run) frees the cache once and loads (launch.freeing_cache_once); it computes."""
+    proc = subprocess.run([sys.executable, "-c", _FIRST_LOAD], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "cache frees: 1" in proc.stdout, f"the module loaded without freeing the cache: {proc.stdout!r}"
+
+
 def test_a_module_backward_captures_when_the_cache_holds_the_card():
     """The same through a module: the cache holds the card when a key's second backward captures; the
     capture is retried once and the replayed step equals the eager module's bit for bit. The cached small
