@@ -328,7 +328,8 @@ def test_the_first_stream_is_made_when_the_cache_holds_the_card():
     assert "cache frees: 1" in proc.stdout, f"the pool was made without freeing the cache: {proc.stdout!r}"
 
 
-# Also a fresh process: a kernel's module is loaded once per process, at its first launch.
+# Also a fresh process (a kernel's module is loaded once per process, at its first launch), from a file: Triton
+# reads a kernel's source from its file.
 _FIRST_LOAD = r"""
 import sys
 
@@ -352,6 +353,7 @@ x = torch.zeros(1 << 16, device=DEV)
 launch.new_stream(DEV)  # the stream pool first: only the module load is left to need driver memory
 _add_one.warmup(x, x.numel(), BLOCK=256, grid=(1,))  # compiled into Triton's cache, not loaded
 _cache_the_card()
+print("free before the load:", torch.cuda.mem_get_info()[0])
 frees = []
 empty_cache = torch.cuda.empty_cache
 torch.cuda.empty_cache = lambda: (frees.append(torch.cuda.mem_get_info()[0]), empty_cache())
@@ -362,14 +364,20 @@ print("cache frees:", len(frees))
 """
 
 
-def test_a_kernel_first_launched_when_the_cache_holds_the_card_loads():
+def test_a_kernel_first_launched_when_the_cache_holds_the_card_loads_and_runs(tmp_path):
     """A kernel's first launch in a process loads its module (cuModuleLoadData), which takes driver memory
-    outside PyTorch's cache, as the stream pool does: a kernel first met when the cache holds the card (a new
-    batch shape late in a run) frees the cache once and loads (launch.freeing_cache_once); it computes."""
-    proc = subprocess.run([sys.executable, "-c", _FIRST_LOAD], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    outside PyTorch's cache, as the stream pool does. With the cache holding the card (a new batch shape late
+    in a run), the kernel loads and computes: at most one cache free (launch.freeing_cache_once, where the
+    load fails). On the H100 (session 53) this kernel, and four specializations of one in a probe of Triton's
+    own launches, loaded with 2.2 MB free and no cache free: the retry is for a card with less than a module
+    free, which this fill (2 MiB granules) cannot make. The count this prints says which happened here."""
+    script = tmp_path / "first_load.py"
+    script.write_text(_FIRST_LOAD)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "cache frees: 1" in proc.stdout, f"the module loaded without freeing the cache: {proc.stdout!r}"
+    frees = [line for line in proc.stdout.splitlines() if line.startswith("cache frees:")]
+    assert frees in (["cache frees: 0"], ["cache frees: 1"]), proc.stdout
+    print(proc.stdout)
 
 
 def test_a_module_backward_captures_when_the_cache_holds_the_card():
