@@ -82,8 +82,9 @@ def test_hit_replays_through_the_compiled_launcher(fake_gpu):
     assert [c[0] for c in kernel.calls] == ["run"]
 
 
-def _streams_entered(monkeypatch) -> list:
-    """torch.cuda.stream stand-in: the list it appends each entered stream and each exit ("exit") to."""
+def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkeypatch):
+    # forward.py's bucket launches: a hit hands the stream's handle to the launcher directly; a miss
+    # compiles and launches through kernel[grid] with the stream made current for that call only.
     entered = []
 
     class _Ctx:
@@ -97,13 +98,6 @@ def _streams_entered(monkeypatch) -> list:
             entered.append("exit")
 
     monkeypatch.setattr(launch_mod.torch.cuda, "stream", _Ctx)
-    return entered
-
-
-def test_a_given_stream_is_launched_on_without_becoming_current(fake_gpu, monkeypatch):
-    # forward.py's bucket launches: a hit hands the stream's handle to the launcher directly; a miss
-    # compiles and launches through kernel[grid] with the stream made current for that call only.
-    entered = _streams_entered(monkeypatch)
     side = types.SimpleNamespace(cuda_stream=777, device_index=0)
     kernel = _FakeKernel()
     a, b = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
@@ -203,7 +197,6 @@ class _Streams:
         monkeypatch.setattr(torch.cuda, "Stream", self.stream)
         monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
 
     def stream(self, device=None):
         if self.errors:
@@ -255,79 +248,3 @@ def test_side_streams_are_made_once_per_device_and_shared(monkeypatch):
     assert launch_mod.side_streams(device, 3) == ["stream1", "stream2", "stream3"]
     assert launch_mod.side_streams(device, 1) == ["stream1"]
     assert (fake.made, fake.freed) == ([1, 1, 1], 1)
-
-
-# Triton's driver error when cuModuleLoadData finds no device memory (gpuAssert: "Triton Error [CUDA]: " and
-# cuGetErrorString's text).
-_LOAD_OOM = RuntimeError("Triton Error [CUDA]: out of memory")
-
-
-class _LoadFails(_FakeKernel):
-    """A kernel whose first ``errors`` JIT launches fail as a module load does, before anything is queued."""
-
-    def __init__(self, errors):
-        super().__init__()
-        self.errors = list(errors)
-
-    def __getitem__(self, grid):
-        run = super().__getitem__(grid)
-
-        def load_then_run(*args, **kwargs):
-            if self.errors:
-                self.calls.append(("load failed", grid))
-                raise self.errors.pop(0)
-            return run(*args, **kwargs)
-
-        return load_then_run
-
-
-def test_a_kernel_whose_module_finds_no_memory_frees_the_cache_once_and_launches(fake_gpu, monkeypatch):
-    """A kernel first launched when PyTorch's cache holds the card: its module load takes driver memory
-    outside the cache and fails with CUDA's out-of-memory error; launch frees the cache once, launches it,
-    and keeps it (the next launch is a hit: no load, no free)."""
-    fake = _Streams(monkeypatch, [])
-    kernel = _LoadFails([_LOAD_OOM])
-    args = (torch.zeros(8), torch.zeros(8, dtype=torch.int32), 32)
-    first = launch_mod.launch(kernel, (5,), args, dict(BLOCK=64), 2)
-    assert [c[0] for c in kernel.calls] == ["load failed", "jit"] and fake.freed == 1
-    assert launch_mod.launch(kernel, (5,), args, dict(BLOCK=64), 2) is first
-    assert [c[0] for c in kernel.calls] == ["load failed", "jit", "run"] and fake.freed == 1
-
-
-def test_a_kernel_launched_on_a_given_stream_retries_on_that_stream(fake_gpu, monkeypatch):
-    entered = _streams_entered(monkeypatch)
-    fake = _Streams(monkeypatch, [])
-    side = types.SimpleNamespace(cuda_stream=777, device_index=0)
-    kernel = _LoadFails([_LOAD_OOM])
-    launch_mod.launch(kernel, (5,), (torch.zeros(8), torch.zeros(8, dtype=torch.int32), 32), dict(BLOCK=64), 2,
-                      stream=side)
-    assert entered == [side, "exit", side, "exit"] and fake.freed == 1
-    assert [c[0] for c in kernel.calls] == ["load failed", "jit"]
-
-
-@pytest.mark.parametrize("errors, capturing", [([_LOAD_OOM, _LOAD_OOM], False), ([_LOAD_OOM], True),
-                                               ([RuntimeError("Triton Error [CUDA]: invalid argument")], False)])
-def test_a_load_failing_twice_in_a_capture_or_for_other_reasons_is_raised(fake_gpu, monkeypatch, errors, capturing):
-    fake = _Streams(monkeypatch, [], capturing=capturing)
-    kernel = _LoadFails(errors)
-    raised_first = errors[-1]
-    with pytest.raises(RuntimeError) as raised:
-        launch_mod.launch(kernel, (5,), (torch.zeros(8), torch.zeros(8, dtype=torch.int32), 32), dict(BLOCK=64), 2)
-    assert raised.value is raised_first
-    assert fake.freed == (len(errors) - 1) and launch_mod._COMPILED == {}
-    assert [c[0] for c in kernel.calls] == ["load failed"] * len(errors)
-
-
-def test_an_interpreted_kernels_error_frees_nothing(monkeypatch):
-    """Without CUDA initialised no CUDA call was made: the error is the kernel's own, raised as it is."""
-    freed = []
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(1))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    error = RuntimeError("out of memory in an interpreted kernel")
-
-    def make():
-        raise error
-
-    with pytest.raises(RuntimeError) as raised:
-        launch_mod.freeing_cache_once(make)
-    assert raised.value is error and freed == []

@@ -118,34 +118,6 @@ def test_precompile_compiles_each_specialization_once_on_a_pool_and_hands_it_to_
     assert int(m.iter) == 0
 
 
-def test_the_load_phase_frees_the_cache_once_where_a_module_finds_no_memory(monkeypatch):
-    """The load threads load each kernel's module (``_init_handles``: cuModuleLoadData, driver memory outside
-    PyTorch's cache); a load that fails with CUDA's out-of-memory error frees the cache once and loads
-    again (launch.freeing_cache_once), as a first launch does."""
-    from torchrec_triton_tbe.ops.precompile import _warmup
-
-    events = []
-
-    class _Compiled:
-        def _init_handles(self):
-            events.append("load")
-            if events.count("load") == 1:
-                raise RuntimeError("Triton Error [CUDA]: out of memory")
-
-    class _Kernel:
-        def warmup(self, *args, **kwargs):
-            events.append("compile")
-            return _Compiled()
-
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: events.append(f"device {index}"))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("free"))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    compiled = _warmup(2)(launch_ops.Launch(_Kernel(), (1,), (), {}, 4))
-    assert isinstance(compiled, _Compiled)
-    assert events == ["device 2", "compile", "load", "free", "load"]
-
-
 def test_precompile_under_the_interpreter_compiles_nothing_and_says_so():
     m = _module(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     batch = _batch()

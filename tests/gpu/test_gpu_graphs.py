@@ -354,30 +354,24 @@ launch.new_stream(DEV)  # the stream pool first: only the module load is left to
 _add_one.warmup(x, x.numel(), BLOCK=256, grid=(1,))  # compiled into Triton's cache, not loaded
 _cache_the_card()
 print("free before the load:", torch.cuda.mem_get_info()[0])
-frees = []
-empty_cache = torch.cuda.empty_cache
-torch.cuda.empty_cache = lambda: (frees.append(torch.cuda.mem_get_info()[0]), empty_cache())
 launch.launch(_add_one, (x.numel() // 256,), (x, x.numel()), dict(BLOCK=256), 4)
 torch.cuda.synchronize()
 assert torch.equal(x, torch.ones_like(x))
-print("cache frees:", len(frees))
+print("loaded and ran")
 """
 
 
 def test_a_kernel_first_launched_when_the_cache_holds_the_card_loads_and_runs(tmp_path):
     """A kernel's first launch in a process loads its module (cuModuleLoadData), which takes driver memory
     outside PyTorch's cache, as the stream pool does. With the cache holding the card (a new batch shape late
-    in a run), the kernel loads and computes: at most one cache free (launch.freeing_cache_once, where the
-    load fails). On the H100 (session 53) this kernel, and four specializations of one in a probe of Triton's
-    own launches, loaded with 2.2 MB free and no cache free: the retry is for a card with less than a module
-    free, which this fill (2 MiB granules) cannot make. The count this prints says which happened here."""
+    in a run) the kernel still loads and computes: on the H100 (session 53) with 2.2 MB free, where the stream
+    pool had failed. Nothing retries a failed load (docs/reliability.md says why); this test is the evidence
+    that none is needed at the fill's margin, and fails if a driver or Triton ever needs more."""
     script = tmp_path / "first_load.py"
     script.write_text(_FIRST_LOAD)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    frees = [line for line in proc.stdout.splitlines() if line.startswith("cache frees:")]
-    assert frees in (["cache frees: 0"], ["cache frees: 1"]), proc.stdout
-    print(proc.stdout)
+    assert "loaded and ran" in proc.stdout, proc.stdout
 
 
 def test_a_module_backward_captures_when_the_cache_holds_the_card():

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from triton import knobs
@@ -31,7 +31,6 @@ from triton.runtime import driver
 from torchrec_triton_tbe import _env
 
 _Tensor = torch.Tensor
-_T = TypeVar("_T")
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
 
 # Fixed at import, like Triton's own choice between compiled and interpreted kernels (_env).
@@ -137,28 +136,17 @@ def new_stream(device) -> torch.cuda.Stream:
     which takes memory from the driver, outside PyTorch's caching allocator: it fails with CUDA's
     out-of-memory error in a process whose cache holds the card (the H100, session 52: under 20 MiB free,
     the rest cached), where a tensor allocation would free the cached blocks and try again. This does the
-    same (``freeing_cache_once``); the graph path takes its streams before it captures, ops/graphs.py."""
-    return freeing_cache_once(lambda: torch.cuda.Stream(device=device))
-
-
-def freeing_cache_once(make: Callable[[], _T]) -> _T:
-    """``make()``, which takes memory from the driver outside PyTorch's caching allocator (a stream pool, a
-    kernel's module): where it fails with CUDA's out-of-memory error, frees the cache once
-    (torch.cuda.empty_cache, which syncs the device: on this path only) and calls it again; a second
-    failure is raised. A tensor allocation does the same on its own (the allocator frees its cached blocks
-    and tries again); these requests bypass it. Not inside a capture on the current stream, where freeing
-    memory is not allowed: there the error is raised at once. ``make`` must leave nothing half done when it
-    raises (a stream pool's creation is retried, a failed one is not marked done; a kernel whose module
-    failed to load has none, and its next launch loads it)."""
+    same: it frees the cache once (torch.cuda.empty_cache, which syncs the device: on this path only) and
+    tries again (the pool's creation is retried: a failed one is not marked done); a second failure is
+    raised. Not inside a capture on the current stream, where freeing memory is not allowed: there the
+    error is raised at once (the graph path takes its streams before it captures, ops/graphs.py)."""
     try:
-        return make()
-    except RuntimeError as error:  # torch.AcceleratorError (torch 2.9+), OutOfMemoryError, Triton's driver error
-        # Not initialised: no CUDA call was made (an interpreted kernel's error), nothing to free.
-        if ("out of memory" not in str(error) or not torch.cuda.is_initialized()
-                or torch.cuda.is_current_stream_capturing()):
+        return torch.cuda.Stream(device=device)
+    except RuntimeError as error:  # torch.AcceleratorError (torch 2.9+) or OutOfMemoryError: both RuntimeErrors
+        if "out of memory" not in str(error) or torch.cuda.is_current_stream_capturing():
             raise
     torch.cuda.empty_cache()
-    return make()
+    return torch.cuda.Stream(device=device)
 
 
 # Events that order side streams after / before the caller's stream, per thread and device: reused
@@ -289,20 +277,13 @@ def arg_key(args: Sequence[Any]) -> tuple:
 
 
 def _bind_and_launch(kernel, grid, args, constexprs, num_warps, maxnreg, stream):
-    """Triton's own path (binds, compiles if needed, loads the kernel's module on its first launch in this
-    process, launches on the current stream): ``stream`` made current for this call only. The module load
-    (cuModuleLoadData) takes device memory from the driver, outside PyTorch's cache: a kernel first met
-    when the cache holds the card (a new batch shape late in training) frees the cache once and loads again
-    (freeing_cache_once)."""
+    """Triton's own path (binds, compiles if needed, launches on the current stream): ``stream`` made
+    current for this call only."""
     options = launch_options(num_warps, maxnreg)
     if stream is None:
-        return freeing_cache_once(lambda: kernel[grid](*args, **constexprs, **options))
-
-    def on_stream():
-        with torch.cuda.stream(stream):
-            return kernel[grid](*args, **constexprs, **options)
-
-    return freeing_cache_once(on_stream)
+        return kernel[grid](*args, **constexprs, **options)
+    with torch.cuda.stream(stream):
+        return kernel[grid](*args, **constexprs, **options)
 
 
 def launch(

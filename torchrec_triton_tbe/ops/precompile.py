@@ -128,7 +128,7 @@ def _warmup(index: int) -> Callable:
         # launcher (a C compiler run per signature, on an empty cache): do both here, in the pool.
         init = getattr(compiled, "_init_handles", None)
         if init is not None:
-            launch_ops.freeing_cache_once(init)  # the module load takes driver memory (launch._bind_and_launch)
+            init()
         return compiled
 
     return compile_one
