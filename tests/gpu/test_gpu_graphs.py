@@ -4,6 +4,7 @@ forward and its backward, stochastic rounding,
 per-sample weights with their gradient, eviction), capture and replay never sync the host, and a capture
 that runs out of memory frees the cache and captures again."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -290,6 +291,19 @@ def test_a_capture_gets_the_memory_the_cache_holds():
     assert torch.equal(dst, src * 2 + 1)
 
 
+def _in_a_fresh_process(script: str, tmp_path) -> str:
+    """Runs ``script`` in a new Python process from the repository root, from a file (Triton reads a kernel's
+    source from its file) with the root on its path as ``python -c`` would have it, and returns its stdout
+    once it has exited cleanly."""
+    path = tmp_path / "fresh.py"
+    path.write_text(script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 # Run in a fresh process: what needs driver memory is the process's first stream request of the device, which
 # creates PyTorch's stream pool (c10's getStreamFromPool: 32 streams per priority, made at once); later
 # torch.cuda.Stream() calls hand out pool streams and allocate nothing.
@@ -316,20 +330,17 @@ print("cache frees:", len(frees))
 """
 
 
-def test_the_first_stream_is_made_when_the_cache_holds_the_card():
+def test_the_first_stream_is_made_when_the_cache_holds_the_card(tmp_path):
     """A process's first CUDA stream (PyTorch's stream pool, above) takes driver memory outside PyTorch's
     cache: with the cache holding the card it failed with CUDA's out-of-memory error (the H100, session 52:
     the first version of the capture tests above met it in the capture's side stream, then in the bucket
     streams). launch.new_stream frees the cache once and makes it; work queued on it runs. One free: the
     first attempt failed, as on the H100 (if a card ever fits the pool in the fill's margin, this says so)."""
-    proc = subprocess.run([sys.executable, "-c", _FIRST_STREAM], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "cache frees: 1" in proc.stdout, f"the pool was made without freeing the cache: {proc.stdout!r}"
+    out = _in_a_fresh_process(_FIRST_STREAM, tmp_path)
+    assert "cache frees: 1" in out, f"the pool was made without freeing the cache: {out!r}"
 
 
-# Also a fresh process (a kernel's module is loaded once per process, at its first launch), from a file: Triton
-# reads a kernel's source from its file.
+# Also a fresh process: a kernel's module is loaded once per process, at its first launch.
 _FIRST_LOAD = r"""
 import sys
 
@@ -367,11 +378,8 @@ def test_a_kernel_first_launched_when_the_cache_holds_the_card_loads_and_runs(tm
     in a run) the kernel still loads and computes: on the H100 (session 53) with 2.2 MB free, where the stream
     pool had failed. Nothing retries a failed load (docs/reliability.md says why); this test is the evidence
     that none is needed at the fill's margin, and fails if a driver or Triton ever needs more."""
-    script = tmp_path / "first_load.py"
-    script.write_text(_FIRST_LOAD)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "loaded and ran" in proc.stdout, proc.stdout
+    out = _in_a_fresh_process(_FIRST_LOAD, tmp_path)
+    assert "loaded and ran" in out, out
 
 
 def test_a_module_backward_captures_when_the_cache_holds_the_card():
