@@ -37,6 +37,7 @@ GOOD_OFF = [0, 2, 3, 4, 6, 6, 8]  # T=3 features, B=2
         (GOOD_IDX, [0, 2, 3, 4, 2, 6, 8], r"bag 3 \(feature 1, table 1, sample 1\).*non-decreasing"),
         (GOOD_IDX, [0, 2, 3, 4, 6, 6, 7], r"offsets\[-1\] = 7 but indices has 8 elements"),
         (GOOD_IDX, [-1, 2, 3, 4, 6, 6, 8], r"bag 0 \(feature 0, table 0, sample 0\)"),
+        (GOOD_IDX, [0], r"offsets\[-1\] = 0 but indices has 8 elements"),  # B = 0 with ids, as FBGEMM refuses
     ],
 )
 def test_fatal_rejects_bad_input_and_changes_nothing(indices, offsets, match):
@@ -122,6 +123,7 @@ BAD_CASES = [
     ([1, 2, 3, 4, 1, 2, 3, 0], [0, 3, 2, 5, 9, 9, 12]),  # decreasing offsets, offsets past the end
     ([1, 2, 3, 4, 1, 2, 3, 0], [-2, 3, 4, 5, 6, 7, 7]),  # negative start, last offset short
     ([0, 11, 2, 3, 7, 1, 2, 30], [0, 1, 3, 3, 5, 8, 6]),  # both at once
+    ([1, 2, 3, 4, 1, 2, 3, 0], [3]),  # B = 0 with ids: no bag, but the last offset is still repaired
 ]
 
 

@@ -618,6 +618,14 @@ def test_bad_layouts(specs, ftm, match):
         TritonTBE(specs, feature_table_map=ftm, device="cpu")
 
 
+@pytest.mark.parametrize("spec,what", [((10.5, 4), "rows"), ((10, 4.0), "dim"), (("10", 4), "rows")])
+def test_rows_and_dims_must_be_integers(spec, what):
+    """FBGEMM's allocation refuses a float row count too; int() would have made (10.5, 4) a 10-row table."""
+    with pytest.raises(TypeError, match=rf"{what} must be an integer"):
+        TritonTBE([(10, 4), spec], device="cpu")
+    TritonTBE([(10, 4), (torch.tensor(5), torch.tensor(4))], device="cpu")  # integer scalars are integers
+
+
 def test_state_dict_round_trip():
     a = TritonTBE(SPECS, device="cpu", optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     a.init_embedding_weights_uniform(-1, 1)

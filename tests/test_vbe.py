@@ -184,6 +184,39 @@ def test_bounds_check_repairs_like_fbgemm_with_vbe():
     assert int(ours.bounds_check_warning) == 1
 
 
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [0, 1, 3, 2, 5, 6, 7, 8, 8],  # a bag that ends before it starts
+        [0, 1, 2, 3, 4, 5, 6, 7, 7],  # last offset short: the repair must close the last real bag
+        [-1, 2, 2, 3, 4, 5, 6, 7, 9],  # a negative start and a last offset past the end
+        [0, 2, 2, 9, 5, 6, 7, 8, 8],  # a bag past the end, then one ending before it starts
+    ],
+)
+def test_bad_offsets_are_repaired_like_fbgemm_with_vbe(mode, bad):
+    """The caller's offsets are repaired in place before the module pads them per feature (a repaired
+    last offset padded first would close a padding bag and drop the last real bag's ids): the same
+    repaired offsets, output and SGD step as FBGEMM's CPU TBE."""
+    specs, ftm, sizes = [(10, 4), (6, 8)], [0, 1, 1], [[1, 2], [2, 1], [1, 1]]
+    ours, fb = make_pair(specs, ftm, oracle="fbgemm", bounds_check_mode=mode)
+    idx = torch.tensor([1, 2, 3, 4, 5, 0, 1, 2])
+    our_off, fb_off = torch.tensor(bad), torch.tensor(bad)
+    out = ours(idx.clone(), our_off, batch_size_per_feature_per_rank=sizes)
+    ref = fb(idx.clone(), fb_off, batch_size_per_feature_per_rank=sizes)
+    assert our_off.tolist() == fb_off.tolist() != bad
+    assert_close(out, ref, "VBE forward on repaired offsets", atol=1e-6, rtol=1e-6)
+    N = idx.numel()
+    start, end = our_off.new_tensor(bad[:-1]), our_off.new_tensor(bad[1:])
+    bad_bags = int(((start < 0) | (start > end) | (end > N)).sum()) + int(bad[-1] != N)
+    assert int(ours.bounds_check_warning) == (bad_bags if mode == BoundsCheckMode.WARNING else 0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    out.backward(grad)
+    ref.backward(grad)
+    for a, b in zip(ours.split_embedding_weights(), fb.split_embedding_weights()):
+        assert_close(a, b, "VBE step on repaired offsets", atol=1e-6, rtol=1e-6)
+
+
 def test_knobs_and_hoist_change_nothing_with_vbe():
     from torchrec_triton_tbe.config import KnobTable, load_named
 
@@ -245,4 +278,14 @@ def test_fatal_bounds_check_names_the_feature_and_sample():
     off = torch.tensor([0, 1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match=r"indices\[3\] = 99 .* feature 2 .* sample 1"):
         m(idx, off, batch_size_per_feature_per_rank=sizes)
+    assert torch.equal(m.weights, before)
+
+
+def test_fatal_refuses_ids_of_a_batch_with_no_bag():
+    """Every batch size 0 (offsets [0]) with ids given: offsets[-1] != len(indices), refused as with B > 0
+    (FBGEMM's check too: num_indices == offsets[total_B])."""
+    m = TritonTBE(SPECS, feature_table_map=FTM, device="cpu", bounds_check_mode=BoundsCheckMode.FATAL)
+    before = m.weights.clone()
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 0 but indices has 3 elements"):
+        m(torch.tensor([1, 2, 3]), torch.tensor([0]), batch_size_per_feature_per_rank=[[0, 0]] * 4)
     assert torch.equal(m.weights, before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import uuid
 from typing import Any, Optional, Sequence, Union
 
@@ -175,6 +176,11 @@ class TritonTBE(nn.Module):
         for k, s in enumerate(specs):
             if len(s) not in (2, 4):
                 raise ValueError(f"embedding_specs[{k}] = {s}: expected (rows, dim) or (rows, dim, location, device)")
+            for what, v in (("rows", s[0]), ("dim", s[1])):
+                try:
+                    operator.index(v)  # ints and integer scalars; a float would be truncated silently by int()
+                except TypeError:
+                    raise TypeError(f"embedding_specs[{k}] = {s}: {what} must be an integer, got {v!r}") from None
         self.current_device = _resolve_device(device, specs)
         _env.check_device(self.current_device)
         self.embedding_specs = [
@@ -422,20 +428,25 @@ class TritonTBE(nn.Module):
             per_sample_weights = per_sample_weights.contiguous()
         if feature_requires_grad is not None:
             feature_requires_grad = feature_requires_grad.to(device=spec.device, dtype=torch.int32)
-        vbe = None
-        if sizes is not None:
-            # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
-            vbe = vbe_ops.vbe_layout(spec, offsets, sizes, vbe_output, vbe_output_offsets)
-            offsets, B = vbe.offsets, vbe.B
         if self.check_finite and per_sample_weights is not None:
             bounds_ops.check_finite("per_sample_weights", per_sample_weights)
         bufs = self._buffers
         # Before this forward writes the module's device state (the bounds check's count and scratch,
         # the step count): after the last forward's stream, where that was another one. Host only.
         self._follow_last_stream()
+        vbe = None
+        if sizes is not None:
+            # WARNING / IGNORE repair the caller's offsets (in place, as FBGEMM) before the layout pads
+            # them: a repaired last offset must close the last real bag, not a padding one.
+            bounds_ops.repair_offsets(spec, offsets, indices.numel(), bufs["bounds_check_warning"],
+                                      bufs["_bounds_scratch"])
+            # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
+            vbe = vbe_ops.vbe_layout(spec, offsets, sizes, vbe_output, vbe_output_offsets)
+            offsets, B = vbe.offsets, vbe.B
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_scratch"],
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
+            offsets_repaired=vbe is not None,
         )
         call = self._lookup_call(spec, B, bufs)
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that

@@ -113,6 +113,35 @@ def test_merged_vbe_output_matches_fbgemm_cuda():
     compare(ours, fb, SparseType.FP32, "merged VBE")
 
 
+@pytest.mark.parametrize("mode", ["WARNING", "IGNORE"])
+def test_vbe_offsets_repair_matches_fbgemm_cuda(mode):
+    """A short last offset with a variable batch (a repair FBGEMM's CUDA bounds check defines as its CPU op
+    does, test_gpu_reliability._bad_id_batches): the caller's offsets repaired in place as FBGEMM's CUDA TBE
+    repairs them, the last real bag closed (not a padding one), the same forward and step."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode
+
+    idx, off = skewed([VBE_SPECS[k][0] for k in VBE_FTM], [sum(r) for r in SIZES], 30)
+    N = idx.numel()
+    short = off.clone()
+    short[-1] = N - 3  # the last bag of the last feature (rank 1) loses its last three ids
+    assert short[-1] >= short[-2], "the last bag must hold more than three ids"
+    for name, bad in (("a short last offset", short),):
+        ours, fb = pair(VBE_SPECS, VBE_FTM, optimizer=RWA, learning_rate=0.05, eps=0.1,
+                        bounds_check_mode=getattr(BoundsCheckMode, mode))
+        ours_off, fb_off = bad.clone(), bad.clone()
+        o1 = ours(idx.clone(), ours_off, batch_size_per_feature_per_rank=SIZES)
+        o2 = fb(idx.clone(), fb_off, batch_size_per_feature_per_rank=SIZES)
+        assert torch.equal(ours_off, fb_off), f"{name}: offsets repaired unlike FBGEMM CUDA"
+        assert not torch.equal(ours_off, bad), f"{name}: nothing repaired"
+        torch.testing.assert_close(o1, o2, **TOL[SparseType.FP32])
+        grad = torch.randn(o1.shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+        o1.backward(grad)
+        o2.backward(grad)
+        compare(ours, fb, SparseType.FP32, f"VBE {mode} repair: {name}")
+        if mode == "WARNING":
+            assert int(ours.bounds_check_warning) > 0 and int(fb.bounds_check_warning) > 0, name
+
+
 def test_sequence_and_vbe_steps_are_sync_free():
     seq = TritonTBE(SEQ_SPECS, feature_table_map=SEQ_FTM, device=DEV, pooling_mode=PoolingMode.NONE, optimizer=RWA)
     vbe = TritonTBE(VBE_SPECS, feature_table_map=VBE_FTM, device=DEV, optimizer=RWA)

@@ -103,7 +103,7 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 
 def _launch_id_check(spec: TBESpec, indices, offsets, B: int, mode: int, warning, first_bad) -> None:
     N, T = indices.numel(), spec.plan.num_features
-    if N == 0:
+    if N == 0 or B == 0:  # no bag: no id is read, so none is checked
         return
     launch(
         _check_indices_kernel,
@@ -133,29 +133,41 @@ def check_and_repair(
     warning: torch.Tensor,
     scratch: torch.Tensor,
     ids: bool = True,
+    offsets_repaired: bool = False,
 ) -> None:
     """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
-    (fused bounds check); offsets are always handled here, checked and (when bad) repaired by one launch.
-    ``scratch``: the module's int32[2] zeros, the offsets check's count and tickets
-    (kernels/bounds.py), zero again after it."""
+    (fused bounds check); offsets are handled here (repair_offsets) unless ``offsets_repaired`` says
+    the caller already did (VBE repairs the caller's offsets before padding them)."""
     mode = spec.bounds
-    if mode == Bounds.NONE or B == 0:
+    if mode == Bounds.NONE:
         return
-    N = indices.numel()
     if mode == Bounds.FATAL:
         _fatal_check(spec, indices, offsets, B)
+        return
+    if not offsets_repaired:
+        repair_offsets(spec, offsets, indices.numel(), warning, scratch)
+    if ids:
+        id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
+        _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)
+
+
+def repair_offsets(spec: TBESpec, offsets: torch.Tensor, N: int, warning: torch.Tensor, scratch: torch.Tensor) -> None:
+    """WARNING / IGNORE: checks the offsets and, when bad, repairs them in place, as FBGEMM does, in one
+    launch (counted under WARNING). Nothing under NONE or FATAL (FATAL's check is check_and_repair's).
+    ``scratch``: the module's int32[2] zeros, the check's count and tickets (kernels/bounds.py), zero
+    again after it."""
+    mode = spec.bounds
+    if mode in (Bounds.NONE, Bounds.FATAL):
         return
     num_bags = offsets.numel() - 1
     launch(
         _check_offsets_kernel,
-        (cdiv(num_bags, OFFSETS_BLOCK),),
+        # At least one program: with B = 0 (offsets [x]) the last offset must still equal N, as FBGEMM has it.
+        (max(1, cdiv(num_bags, OFFSETS_BLOCK)),),
         (offsets, scratch, warning, num_bags, N),
         dict(COUNT=mode == Bounds.WARNING, BLOCK=OFFSETS_BLOCK),
         4,
     )
-    if ids:
-        id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
-        _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)
 
 
 def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> None:
