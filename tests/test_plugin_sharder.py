@@ -184,7 +184,8 @@ def test_fully_sharded_two_dimensional_parallel_is_refused():
 # ---------------------------------------------------------------------------------------------- state and checkpoints
 def test_state_dict_layout_needs_the_relabel_fix(one_rank):
     """TorchRec's own sharded collection skips CUSTOMIZED tables when it builds ShardedTensors; ours
-    relabels them so state_dict() holds ShardedTensors as with fused."""
+    relabels them so state_dict() holds ShardedTensors as with fused. TorchRec's collection is therefore
+    refused for our tables (sharding._ours); past that guard it shows what the guard prevents."""
 
     class StockSharder(TritonTBESharder):
         def shard(self, module, params, env, device=None, module_fqn=None):
@@ -192,7 +193,10 @@ def test_state_dict_layout_needs_the_relabel_fix(one_rank):
             return EmbeddingBagCollectionSharder.shard(self, module, params, env, device, module_fqn)
 
     plan = use_triton_tbe(pc.base_plan("table_wise", 1))
-    stock = pc.make_dmp(plan, StockSharder())
+    with pytest.raises(ValueError, match="not this plugin's"):
+        pc.make_dmp(plan, StockSharder())
+    with routing.building_our_lookups():
+        stock = pc.make_dmp(plan, StockSharder())
     assert type(stock.module.ebc) is ShardedEmbeddingBagCollection
     assert not isinstance(stock.state_dict()["ebc.embedding_bags.t0.weight"], ShardedTensor)
     ours = pc.make_dmp(plan, TritonTBESharder())

@@ -160,25 +160,41 @@ def test_other_customized_kernels_reach_torchrec_untouched(one_rank):
         pc.make_dmp(plan, pc.TritonTBESharder())
 
 
-def test_sequence_tables_route_to_our_kernel_through_torchrecs_own_sharder(one_rank):
-    """The routing wraps TorchRec's sequence lookup too: a plan entry with our marker builds our kernel
-    even under TorchRec's stock EmbeddingCollectionSharder (TritonTBEEmbeddingCollectionSharder adds the
-    planner offer and the multi-rank checkpoint layout; tests/test_plugin_sequence.py)."""
-    from torchrec_triton_tbe.plugin import TritonTBEEmbedding
-
+def test_torchrecs_own_sequence_sharder_is_refused_for_our_tables(one_rank):
+    """The routing wraps TorchRec's sequence lookup too, but a plan entry with our marker under TorchRec's
+    stock EmbeddingCollectionSharder is refused: TorchRec's collection would build our kernel but none of
+    TorchRec's state for its tables (plain tensors in state_dict, no weight on a rank without a shard)."""
     ec = EmbeddingCollection(
         tables=[EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=20, feature_names=["g0"])],
         device=torch.device("meta"),
     )
     plan = construct_module_sharding_plan(ec, {"s0": table_wise(rank=0)}, sharder=EmbeddingCollectionSharder(),
                                           local_size=1, world_size=1, device_type="cpu")
-    dmp = DistributedModelParallel(
-        torch.nn.Sequential(ec), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
-        device=torch.device("cpu"), plan=ShardingPlan({"0": use_triton_tbe(plan)}),
-        sharders=[EmbeddingCollectionSharder()],
-    )
-    kernels = [k for lookup in dmp.module[0]._lookups for k in pc._unwrap(lookup)._emb_modules]
-    assert kernels and all(type(k) is TritonTBEEmbedding for k in kernels)
+    with pytest.raises(ValueError, match=r"tables \['s0'\] are planned on the Triton TBE kernel.*"
+                                         r"TritonTBEEmbeddingCollectionSharder"):
+        DistributedModelParallel(
+            torch.nn.Sequential(ec), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+            device=torch.device("cpu"), plan=ShardingPlan({"0": use_triton_tbe(plan)}),
+            sharders=[EmbeddingCollectionSharder()],
+        )
+
+
+def test_torchrecs_own_sharder_is_refused_for_our_tables(one_rank):
+    """The same for an EmbeddingBagCollection: our sharder given but TorchRec's default sharders listed
+    after it (a later sharder for a module type replaces an earlier one), or TorchRec's alone."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    plan = use_triton_tbe(pc.base_plan("table_wise", 1))
+    params = pc.fused_params(ADAGRAD)
+    for sharders in ([EmbeddingBagCollectionSharder(fused_params=params)],
+                     [TritonTBESharder(fused_params=params), EmbeddingBagCollectionSharder(fused_params=params)]):
+        with pytest.raises(ValueError, match=r"are planned on the Triton TBE kernel.*TritonTBESharder"):
+            DistributedModelParallel(
+                pc.Model(Variant()), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+                device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=sharders,
+            )
+    pc.make_dmp(plan, TritonTBESharder(fused_params=params))  # ours alone builds
+
 
 def _output_dtype_and_eval(rank: int, world_size: int) -> None:
     """fused_params output_dtype=FP16 (TorchRec's half-precision pooled outputs) trains like fused, and an

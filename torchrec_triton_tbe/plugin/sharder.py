@@ -46,7 +46,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_triton_tbe.config import KernelConfig
 from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions, reject_plugin_keys
-from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES
+from torchrec_triton_tbe.plugin.sharding import SEQUENCE_SHARDING_TYPES, SUPPORTED_SHARDING_TYPES, building_our_lookups
 
 CUSTOMIZED = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 FUSED = EmbeddingComputeKernel.FUSED.value
@@ -169,6 +169,11 @@ class _RelabelOurTables:
     (``reset_parameters()`` then fails). Our kernels provide everything the fused path reads
     (``state_dict`` through TorchRec's ``get_state_dict``, ``named_parameters_by_table``), so our tables
     are labelled ``fused`` while the stock method runs, and restored afterwards."""
+
+    def _create_lookups(self, *args, **kwargs):
+        # Our kernels are built only here (sharding._ours refuses them in a collection of TorchRec's).
+        with building_our_lookups():
+            return super()._create_lookups(*args, **kwargs)
 
     def _initialize_torch_state(self, *args, **kwargs) -> None:
         # Arguments passed through as given: TorchRec 1.9's methods take ``skip_registering``, 1.6.1's

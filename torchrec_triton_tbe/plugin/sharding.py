@@ -12,7 +12,9 @@ kernel per grouped table config and raises ``ValueError`` for ``CUSTOMIZED_KERNE
   env``), and TorchRec calls it positionally in both;
 * the wrapper only acts on ``CUSTOMIZED_KERNEL`` groups carrying ``customized_compute_kernel="triton_tbe"``
   (which TorchRec would reject anyway) and delegates everything else, other plugins' customized kernels
-  included, to the original method.
+  included, to the original method;
+* it builds our kernels only for our sharded collections (``building_our_lookups``), and refuses them in
+  TorchRec's own, which would leave their tables without TorchRec's state.
 
 The cost is a process-wide change at import of ``torchrec_triton_tbe.plugin``; ``install()`` is
 idempotent and ``installed()`` reports it. The sequence lookup (``EmbeddingCollection``,
@@ -21,8 +23,10 @@ idempotent and ``installed()`` reports it. The sequence lookup (``EmbeddingColle
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +57,36 @@ SEQUENCE_SHARDING_TYPES = (
 
 
 def _ours(config: GroupedEmbeddingConfig) -> bool:
-    return config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL and is_triton_tbe(config.fused_params)
+    if not (config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL and is_triton_tbe(config.fused_params)):
+        return False
+    if not _BUILDING_OURS.get():
+        # TorchRec's own sharded collection would run our kernel but build no state for its tables
+        # (no ShardedTensor in state_dict, no weight on a rank without a shard): a plan switched with
+        # use_triton_tbe, given to DistributedModelParallel with TorchRec's sharders (or ours listed before
+        # TorchRec's for the same module type: a later sharder of a type replaces an earlier one).
+        tables = [t.name for t in config.embedding_tables]
+        raise ValueError(
+            f"tables {tables} are planned on the Triton TBE kernel, but their collection is being sharded by a "
+            "sharder that is not this plugin's: pass torchrec_triton_tbe.plugin's sharder for it "
+            "(TritonTBESharder for an EmbeddingBagCollection, TritonTBEEmbeddingCollectionSharder, "
+            "TritonTBEFeatureProcessedSharder, TritonTBEManagedCollisionSharder or "
+            "TritonTBEManagedCollisionEmbeddingCollectionSharder) in DistributedModelParallel's sharders, "
+            "and no other sharder for the same module type after it"
+        )
+    return True
+
+
+# Set while one of our sharded collections builds its lookups (sharder._RelabelOurTables).
+_BUILDING_OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_tbe_building_ours", default=False)
+
+
+@contextlib.contextmanager
+def building_our_lookups() -> Iterator[None]:
+    token = _BUILDING_OURS.set(True)
+    try:
+        yield
+    finally:
+        _BUILDING_OURS.reset(token)
 
 
 def _wrap_pooled(original):
