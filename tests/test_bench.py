@@ -688,6 +688,69 @@ def test_cli_single_case_forward_only(tmp_path):
             report.main([str(out), str(bad), "--plot", str(tmp_path / "p.png")])
 
 
+def test_merge_refuses_runs_of_another_environment_and_notes_the_rest(tmp_path, capsys):
+    """The merged record carries the first run's header: a run timed on another GPU, in the interpreter or
+    on other versions is refused; another commit or other compared kernels are noted (compare: the union)."""
+    from torchrec_triton_tbe.bench import report
+
+    env = {"device": "cuda:0", "gpu": {"name": "NVIDIA H200"}, "versions": {"torch": "2.11"}, "git_commit": "a"}
+    base = {"timing_meaningful": True, "compare": "fbgemm", "environment": env,
+            "shapes": [{"name": "x", "results": {}}]}
+    for change in ({"timing_meaningful": False}, {"environment": {**env, "gpu": {"name": "NVIDIA H100"}}},
+                   {"environment": {**env, "versions": {"torch": "2.14"}}}):
+        with pytest.raises(ValueError, match="input 2 was measured with another"):
+            merge([base, {**base, **change, "shapes": [{"name": "y", "results": {}}]}])
+    notes = []
+    other = {**base, "compare": "fbgemm,torchrec_triton", "environment": {**env, "git_commit": "b"},
+             "shapes": [{"name": "y", "results": {}}]}
+    merged = merge([base, other], note=notes.append)
+    assert merged["compare"] == "fbgemm,torchrec_triton" and [s["name"] for s in merged["shapes"]] == ["x", "y"]
+    assert any("commit b" in n for n in notes) and any("union" in n for n in notes)
+    # The command line: JSON alone is a merge; neither output, or a merge of other environments, an error.
+    paths = []
+    for i, rec in enumerate((base, other, {**base, "timing_meaningful": False})):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    assert report.main([str(paths[0]), str(paths[1]), "--json", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["compare"] == "fbgemm,torchrec_triton"
+    for argv in ([str(paths[0])], [str(paths[0]), str(paths[2]), "--json", str(tmp_path / "n.json")],
+                 [str(paths[0]), "--plot", str(tmp_path / "p.png")]):  # the last: no shape has results
+        with pytest.raises(SystemExit):
+            report.main(argv)
+    assert "nothing to plot" in capsys.readouterr().err
+
+
+def test_only_builds_just_the_shapes_it_names(tmp_path):
+    """An override that fits the picked shape but not another (--num-tables against its lists) is no error;
+    --only without --suite is refused, not ignored."""
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(
+        "shapes:\n"
+        "  - {name: a, num_tables: 3, batch_size: 4, num_embeddings: 30, embedding_dim: 8, bag_size: 2}\n"
+        "  - {name: c, num_tables: 2, batch_size: 4, num_embeddings: 30, embedding_dim_list: [8, 16], bag_size: 2}\n"
+    )
+    header, shapes = load_suite(str(suite), {"num_tables": 3}, ["a"])
+    assert [s.case.name for s in shapes] == ["a"]
+    with pytest.raises(ValueError, match="embedding_dim_list"):
+        load_suite(str(suite), {"num_tables": 3})
+    with pytest.raises(ValueError, match=r"--only: no shapes named \['b'\]"):
+        load_suite(str(suite), {}, ["b"])
+    with pytest.raises(SystemExit, match="give --suite too"):
+        cli.main(["--only", "a", "--iters", "1"])
+
+
+def test_a_check_of_a_batch_without_lookups_passes(tmp_path):
+    """Bags of 0 ids, pooling none: 0 x D outputs on both sides (the check reshaped them with an ambiguous -1)."""
+    out = tmp_path / "r.json"
+    argv = ["--batch-size", "4", "--num-tables", "2", "--num-embeddings", "20", "--embedding-dim", "8",
+            "--bag-size", "0", "--pooling", "none", "--iters", "1", "--optimizer", "exact_sgd", "--compare", "fbgemm",
+            "--check", "--json", str(out)]
+    assert cli.main(argv) == 0
+    (shape,) = json.loads(out.read_text())["shapes"]
+    check = shape["check"]["exact_sgd"]
+    assert check["output"]["ok"] and check["output"]["numel"] == 0
+
+
 @pytest.mark.parametrize("argv", [
     ["--pooling", "none", "--num-tables", "3", "--batch-size", "4", "--num-embeddings", "40", "--embedding-dim", "8",
      "--bag-size", "3"],

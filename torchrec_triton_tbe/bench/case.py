@@ -322,7 +322,11 @@ def _comma_list(kind, choices: Optional[Sequence[str]] = None, none_ok: bool = F
     def parse(text: str):
         if none_ok and str(text).strip() == "None":
             return None
-        items = tuple(kind(x.strip()) for x in str(text).split(",") if x.strip())
+        try:
+            items = tuple(kind(x.strip()) for x in str(text).split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a comma-separated list of {kind.__name__} values") from None
         if choices is not None:
             bad = [x for x in items if x not in choices]
             if bad:
@@ -549,8 +553,11 @@ def suite_path(name_or_path: str) -> Path:
     return path
 
 
-def load_suite(name_or_path: str, overrides: Mapping[str, Any]) -> tuple[dict[str, Any], list[SuiteShape]]:
-    """(suite header, shapes). ``overrides`` are the explicit command-line options (win over the file)."""
+def load_suite(name_or_path: str, overrides: Mapping[str, Any],
+               only: Optional[Sequence[str]] = None) -> tuple[dict[str, Any], list[SuiteShape]]:
+    """(suite header, shapes). ``overrides`` are the explicit command-line options (win over the file).
+    ``only``: these shapes alone, in the file's order (``ValueError`` for a name the file lacks); the others
+    are not built, so an override that does not fit them (``--num-tables`` against their lists) is no error."""
     path = suite_path(name_or_path)
     with open(path) as fh:
         doc = yaml.safe_load(fh)
@@ -571,7 +578,12 @@ def load_suite(name_or_path: str, overrides: Mapping[str, Any]) -> tuple[dict[st
         names.add(name)
         baseline = entry.pop("baseline_ms", None)
         note = entry.pop("note", "")
+        if only is not None and name not in only:
+            continue
         values = {**base, **entry, **overrides}
         shapes.append(SuiteShape(case_from_mapping(values, name), baseline, note))
+    unknown = [n for n in (only or ()) if n not in names]
+    if unknown:
+        raise ValueError(f"--only: no shapes named {unknown} in {path}; known: {sorted(names)}")
     header = {"name": doc.get("name", path.stem), "path": str(path), "description": doc.get("description", "")}
     return header, shapes

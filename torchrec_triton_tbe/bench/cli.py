@@ -70,14 +70,14 @@ def _shapes(args, given: dict[str, Any]) -> tuple[Optional[dict], list[SuiteShap
     if optimizers is not None:
         overrides["optimizers"] = optimizers
     if args.suite:
-        header, shapes = load_suite(args.suite, overrides)
-        if args.only:
-            known = {s.case.name for s in shapes}
-            unknown = [n for n in args.only if n not in known]
-            if unknown:
-                raise SystemExit(f"--only: no shapes named {unknown} in {header['path']}; known: {sorted(known)}")
-            shapes = [s for s in shapes if s.case.name in args.only]
-        return header, shapes
+        try:
+            return load_suite(args.suite, overrides, args.only or None)
+        except ValueError as e:
+            if str(e).startswith("--only"):
+                raise SystemExit(str(e)) from None
+            raise
+    if args.only:
+        raise SystemExit("--only picks shapes of a suite: give --suite too")
     values = {k: getattr(args, k) for k in CASE_FIELDS}
     values.update(overrides)
     return None, [SuiteShape(case_from_mapping(values, "cli"), None)]
@@ -198,7 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     emit = tqdm.write if sys.stderr.isatty() else (lambda line: print(line, flush=True))
     failed = False
     with logging_redirect_tqdm():
-        bar = tqdm(shapes, desc="shapes", unit="shape", disable=header is None, file=sys.stderr)
+        # No bar into a file or pipe either: with stderr and stdout merged (2>&1 | tee) its redraws glued
+        # each shape's first line onto it.
+        bar = tqdm(shapes, desc="shapes", unit="shape", disable=header is None or not sys.stderr.isatty(),
+                   file=sys.stderr)
         for shape in bar:
             bar.set_postfix_str(shape.case.name, refresh=False)
             workload = None
@@ -230,6 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.json:
                 write_json(args.json, record)
     record["environment"]["clocks_mhz_at_end"] = nvidia_smi_clocks(device)
+    if not record.get("timing_meaningful", True):
+        print("NOTE: times and speed-ups below are Triton's interpreter on the CPU, not kernel times")
     for line in _summary(record):
         print(line)
     if args.json:

@@ -10,7 +10,7 @@ Index/offset reads, optimizer state and grad_output are not counted. Forward GB/
 
 Re-plot or merge earlier results (e.g. a suite run in several parts):
 
-    python -m torchrec_triton_tbe.bench.report --plot all.png [--json all.json] part1.json part2.json
+    python -m torchrec_triton_tbe.bench.report [--plot all.png] [--json all.json] part1.json part2.json
 """
 
 from __future__ import annotations
@@ -295,10 +295,35 @@ def write_plot(path: str, record: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+# What every merged run must share: the merged record keeps the first run's header, so a run timed
+# elsewhere (another GPU, the interpreter, other versions) would be labelled with the wrong environment.
+_SAME_ENVIRONMENT: tuple[tuple[str, Callable[[dict], Any]], ...] = (
+    ("timing (kernel times or the interpreter's)", lambda r: r.get("timing_meaningful", True)),
+    ("device", lambda r: r.get("environment", {}).get("device")),
+    ("GPU", lambda r: (r.get("environment", {}).get("gpu") or {}).get("name")),
+    ("versions", lambda r: r.get("environment", {}).get("versions")),
+)
+
+
 def merge(records: Sequence[dict[str, Any]], note: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Shapes of several runs in one record (the first run's header; later shapes win on name clashes, a
-    re-run replacing its shape: ``note`` gets a line for each, as single-case runs are all named "cli")."""
-    merged = dict(records[0])
+    re-run replacing its shape: ``note`` gets a line for each, as single-case runs are all named "cli").
+    Runs of another environment are refused (``ValueError``); other commits, and kernels compared in some
+    runs only, are noted (``compare`` becomes the union)."""
+    first = records[0]
+    for i, rec in enumerate(records[1:], start=2):
+        for what, get in _SAME_ENVIRONMENT:
+            if get(rec) != get(first):
+                raise ValueError(f"input {i} was measured with another {what} than input 1 ({get(rec)!r} vs "
+                                 f"{get(first)!r}): its shapes would carry input 1's environment")
+        commit, first_commit = (r.get("environment", {}).get("git_commit") for r in (rec, first))
+        if commit != first_commit:
+            note(f"input {i} is at commit {commit}, input 1 at {first_commit}; the merged header names input 1's")
+    merged = dict(first)
+    kernels = [k for r in records for k in (r.get("compare") or "").split(",") if k]
+    if any((r.get("compare") or None) != (first.get("compare") or None) for r in records[1:]):
+        note("the inputs compared different kernels: compare is their union; a shape has the results its run made")
+        merged["compare"] = ",".join(dict.fromkeys(kernels)) or None
     by_name: dict[str, dict] = {}
     for i, rec in enumerate(records):
         for shape in rec["shapes"]:
@@ -313,8 +338,8 @@ def merge(records: Sequence[dict[str, Any]], note: Callable[[str], None] = lambd
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Merge benchmark JSON files and plot them")
     ap.add_argument("inputs", nargs="+")
-    ap.add_argument("--plot", required=True)
-    ap.add_argument("--json", default=None, help="also write the merged record")
+    ap.add_argument("--plot", default=None, help="write the plot (at least one of --plot and --json)")
+    ap.add_argument("--json", default=None, help="write the merged record")
     args = ap.parse_args(argv)
     records = []
     for p in args.inputs:
@@ -325,12 +350,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not isinstance(record, dict) or not isinstance(record.get("shapes"), list):
             ap.error(f"{p}: not a benchmark JSON (torchrec-triton-tbe-bench --json): it has no shapes")
         records.append(record)
-    record = merge(records, note=print)
+    if not (args.plot or args.json):
+        ap.error("nothing to write: give --plot, --json or both")
+    try:
+        record = merge(records, note=print)
+    except ValueError as e:
+        ap.error(str(e))
     if args.json:
         write_json(args.json, record)
         print(f"wrote {args.json}")
-    write_plot(args.plot, record)
-    print(f"wrote {args.plot}")
+    if args.plot:
+        try:
+            write_plot(args.plot, record)
+        except ValueError as e:  # no shape with results
+            ap.error(f"--plot: {e}")
+        print(f"wrote {args.plot}")
     return 0
 
 

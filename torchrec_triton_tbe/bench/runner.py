@@ -275,7 +275,8 @@ def backward_step(module: torch.nn.Module, w: Workload) -> Callable[[int], Calla
 def _compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float, rows_per_chunk: int = 1 << 20) -> dict:
     """max |a - b| and the count of elements beyond atol + rtol |b|, in row chunks (tables can be GBs)."""
     max_diff, bad = 0.0, 0
-    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    # Rows of the first dim (flatten, not reshape(n, -1): a batch of no lookups gives 0 x D, whose -1 is ambiguous).
+    a2, b2 = (t.flatten(1) if t.dim() > 1 else t.reshape(-1, 1) for t in (a, b))
     for start in range(0, a2.shape[0], rows_per_chunk):
         x = a2[start : start + rows_per_chunk].double()
         y = b2[start : start + rows_per_chunk].double()
@@ -464,6 +465,8 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
     }
     kernels = opts.kernels
     warmup = case.warmup_runs + 1  # FBGEMM's benchmark_requests always adds one
+    # Off the GPU ours runs in Triton's interpreter: a ratio of those times says nothing about kernels.
+    caveat = "" if w.grad_output.device.type == "cuda" else " (CPU: Triton's interpreter, not a kernel-time ratio)"
 
     def measure(modules, key: str, make_step, backward: bool, prefix_extra: str, optimizer: Optional[str]) -> None:
         entry: dict[str, Any] = {}
@@ -497,7 +500,7 @@ def run_case(w: Workload, opts: RunOptions, emit: Callable[[str], None],
             # FBGEMM's keeps its historical name, "speedup"; others are "speedup_<kernel>".
             name = "speedup" if kernel == "fbgemm" else f"speedup_{kernel}"
             entry[name] = entry[kernel]["median_ms"] / entry["triton"]["median_ms"]
-            emit(f"{name} {key} ({kernel} / triton median): {entry[name]:.3f}x")
+            emit(f"{name} {key} ({kernel} / triton median): {entry[name]:.3f}x{caveat}")
         if baseline_ms and baseline_ms.get(key) is not None:
             entry["baseline_ms"] = baseline_ms[key]
             entry["speedup_vs_baseline"] = baseline_ms[key] / entry["triton"]["median_ms"]
