@@ -114,6 +114,37 @@ def test_demo_on_two_ranks_planner_plain_loop_with_sequence_tables():
     plugin_cases.spawn(_rank_demo, 2, argv)
 
 
+def test_demo_refuses_tables_without_rows():
+    import pytest
+
+    with pytest.raises(SystemExit, match=r"--num-embeddings 2: some tables would get no rows .* give at least 3"):
+        torchrec_demo.main(["--steps", "1", "--batch-size", "4", "--num-tables", "4", "--num-embeddings", "2"])
+
+
+def _row_split_refusal(rank: int, world_size: int) -> None:
+    import pytest
+
+    # Rows 3, 1, 1, 3: two tables of fewer rows than ranks, whose row-wise shards would be empty on rank 1.
+    with pytest.raises(SystemExit, match=r"tables \['t1', 't2'\] have fewer rows than the 2 ranks"):
+        torchrec_demo.main(["--steps", "1", "--batch-size", "4", "--num-tables", "4", "--num-embeddings", "3",
+                            "--sharding", "row_wise", "--loop", "plain"])
+
+
+def test_demo_refuses_row_split_tables_smaller_than_the_world_on_cpu():
+    """FBGEMM's CPU TBE mis-trains the table after a 0-row shard (docs/torchrec.md): the A/B would report
+    fused's error as a mismatch, so the demo refuses the plan on CPU ranks and says why."""
+    plugin_cases.spawn(_row_split_refusal, 2)
+
+
+def test_demo_on_several_ranks_without_master_port_is_refused_not_hung():
+    """Ranks started by hand with WORLD_SIZE but no MASTER_PORT each picked a port of their own and waited."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="localhost")
+    proc = subprocess.run([sys.executable, "-m", "torchrec_triton_tbe.torchrec_demo", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode != 0 and "MASTER_PORT is not set" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_demo_on_production_shaped_tables(tmp_path, capsys):
     """--shape: a suite shape's per-table rows, dims, bag sizes (drawn with the shape's sigmas) and Zipf
     exponents (here a tiny suite of three tables of different dims, one uniform), the concatenating

@@ -159,6 +159,10 @@ def _init_process_group(gpu: bool) -> Setup:
     environment: one rank per process, one GPU per rank by LOCAL_RANK); else a world of one."""
     created = False
     if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_PORT" not in os.environ:
+            # Each rank would pick a port of its own and wait there for the others, forever.
+            raise SystemExit(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but MASTER_PORT is not set: set MASTER_ADDR "
+                             "and MASTER_PORT on every rank, or launch with torchrun")
         if "WORLD_SIZE" not in os.environ or "MASTER_PORT" not in os.environ:
             with socket.socket() as s:
                 s.bind(("localhost", 0))
@@ -224,12 +228,34 @@ def _shape_tables(args) -> Tables:
                   bag_sigmas=None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list))
 
 
+def _shape_note(args) -> str:
+    """What of a --shape the demo does not take (its own options set those), or nothing."""
+    from torchrec_triton_tbe.bench.case import load_suite
+
+    (shape,) = load_suite(args.suite, {}, [args.shape])[1]
+    case = shape.case
+    unused = [what for what, differs in (("per-sample weights", case.weighted),
+                                         (f"{case.indices_dtype}-bit ids", case.indices_dtype != 64),
+                                         (f"{case.weights_precision} weights", case.weights_precision != "fp32"))
+              if differs]
+    if not unused:
+        return ""
+    return (f"note: --shape {args.shape} gives the tables' rows, dims, bag sizes and Zipf exponents; its "
+            f"{', '.join(unused)} are not used (--index-dtype and --weights set ids and weights here)")
+
+
 def _tables(args) -> Tables:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
     if args.shape is not None:
         return _shape_tables(args)
 
+    # The tables below get 1/1 to 1/need of --num-embeddings rows; TorchRec's configs divide by their rows.
+    n_seq = max(1, args.num_tables // 2) if args.sequence else 0
+    need = max(min(3, args.num_tables), 1 + n_seq)
+    if args.num_embeddings < need:
+        raise SystemExit(f"--num-embeddings {args.num_embeddings}: some tables would get no rows (the demo gives "
+                         f"its tables 1/1 to 1/{need} of it); give at least {need}")
     # --vbe on a CPU: FBGEMM's CPU TBE has no merged output of several kernel groups (TorchRec's
     # vbe_output), so every table pools the same way there: one group.
     mean_ok = not (args.vbe and not torch.cuda.is_available())
@@ -693,6 +719,9 @@ def _run(args, setup: Setup) -> int:
         setup = dataclasses.replace(setup, replicas=args.replicas)
     torch.manual_seed(args.seed)
     tables = _tables(args)
+    note = _shape_note(args) if args.shape is not None else ""
+    if note:
+        setup.print(note)
     dense_in = 13  # DLRM's Criteo dense feature count
     index_dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     # TorchRec's own keys, for both kernels: ids reach them in the KJT's dtype.
@@ -716,6 +745,14 @@ def _run(args, setup: Setup) -> int:
     plan = _plan(_model(tables, setup, dense_in, pipeline), tables, args.sharding, setup, pipeline)
 
     row_split = {ps.sharding_type for mp in plan.values() for ps in mp.values()} & {"row_wise", "table_row_wise"}
+    if not setup.gpu and setup.world_size > 1 and row_split:
+        few = sorted(t.name for t in tables.bags + tables.sequence if t.num_embeddings < setup.world_size)
+        if few:
+            # A rank then holds a shard of 0 rows, and FBGEMM's CPU TBE trains the next table of its group
+            # wrongly (docs/torchrec.md, "Where fused cannot be the reference"): the A/B would fail on fused's side.
+            raise SystemExit(f"tables {few} have fewer rows than the {setup.world_size} ranks of a row-split plan: "
+                             "FBGEMM's CPU TBE ('fused' here) mis-trains the table after a 0-row shard; raise "
+                             "--rows-scale / --num-embeddings, or use table_wise / column_wise sharding")
     if args.vbe and not setup.gpu and setup.world_size > 1 and row_split:
         # TorchRec 1.9.2's own backward of a variable batch over row-split tables gathers unequal sizes,
         # which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"), on fused as on ours.
