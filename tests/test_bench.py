@@ -696,6 +696,8 @@ def test_merge_refuses_runs_of_another_environment_and_notes_the_rest(tmp_path, 
     env = {"device": "cuda:0", "gpu": {"name": "NVIDIA H200"}, "versions": {"torch": "2.11"}, "git_commit": "a"}
     base = {"timing_meaningful": True, "compare": "fbgemm", "environment": env,
             "shapes": [{"name": "x", "results": {}}]}
+    # Another card of the same kind on the host is the same environment.
+    merge([base, {**base, "environment": {**env, "device": "cuda:1"}, "shapes": [{"name": "y", "results": {}}]}])
     for change in ({"timing_meaningful": False}, {"environment": {**env, "gpu": {"name": "NVIDIA H100"}}},
                    {"environment": {**env, "versions": {"torch": "2.14"}}}):
         with pytest.raises(ValueError, match="input 2 was measured with another"):
@@ -713,11 +715,13 @@ def test_merge_refuses_runs_of_another_environment_and_notes_the_rest(tmp_path, 
         paths[-1].write_text(json.dumps(rec))
     assert report.main([str(paths[0]), str(paths[1]), "--json", str(tmp_path / "m.json")]) == 0
     assert json.loads((tmp_path / "m.json").read_text())["compare"] == "fbgemm,torchrec_triton"
-    for argv in ([str(paths[0])], [str(paths[0]), str(paths[2]), "--json", str(tmp_path / "n.json")],
-                 [str(paths[0]), "--plot", str(tmp_path / "p.png")]):  # the last: no shape has results
+    for argv, why in (([str(paths[0])], "nothing to write"),
+                      ([str(paths[0]), str(paths[2]), "--json", str(tmp_path / "n.json")], "measured with another"),
+                      ([str(paths[0]), "--plot", str(tmp_path / "p.png")], "nothing to plot")):  # no results
+        capsys.readouterr()
         with pytest.raises(SystemExit):
             report.main(argv)
-    assert "nothing to plot" in capsys.readouterr().err
+        assert why in capsys.readouterr().err, argv
 
 
 def test_only_builds_just_the_shapes_it_names(tmp_path):

@@ -124,8 +124,8 @@ def test_demo_refuses_tables_without_rows():
 def _row_split_refusal(rank: int, world_size: int) -> None:
     import pytest
 
-    # Rows 3, 1, 1, 3: two tables of fewer rows than ranks, whose row-wise shards would be empty on rank 1.
-    with pytest.raises(SystemExit, match=r"tables \['t1', 't2'\] have fewer rows than the 2 ranks"):
+    # Rows 3, 1, 1, 3: two tables of fewer rows than ranks, whose row-wise shards are empty on rank 1.
+    with pytest.raises(SystemExit, match=r"tables \['t1', 't2'\] get a shard of 0 rows on some of the 2 ranks"):
         torchrec_demo.main(["--steps", "1", "--batch-size", "4", "--num-tables", "4", "--num-embeddings", "3",
                             "--sharding", "row_wise", "--loop", "plain"])
 
@@ -143,6 +143,18 @@ def test_demo_on_several_ranks_without_master_port_is_refused_not_hung():
     proc = subprocess.run([sys.executable, "-m", "torchrec_triton_tbe.torchrec_demo", "--steps", "1"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode != 0 and "MASTER_PORT is not set" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_shape_note_names_what_the_demo_does_not_take():
+    """--shape takes rows, dims, bag sizes and Zipf exponents; a shape's other traits are named, unless the
+    demo's own options give the same."""
+    import types
+
+    args = types.SimpleNamespace(suite="smoke", shape="mixed_weighted_int32", index_dtype="int64", weights="fp32")
+    note = torchrec_demo._shape_note(args)
+    assert "per-sample weights" in note and "32-bit ids" in note, note
+    args.index_dtype = "int32"
+    assert "32-bit ids" not in torchrec_demo._shape_note(args)
 
 
 def test_demo_on_production_shaped_tables(tmp_path, capsys):

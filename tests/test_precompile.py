@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tbe_cases import EmbOptimType, PoolingMode, SparseType, skewed_batch
+from tbe_cases import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType, skewed_batch
 from torchrec_triton_tbe.module import TritonTBE
 from torchrec_triton_tbe.ops import launch as launch_ops
 from torchrec_triton_tbe.ops.precompile import record_step
@@ -339,6 +339,10 @@ def test_dry_run_of_sequence_and_variable_batch_steps():
     offsets[1:] = lengths.cumsum(0)
     indices = torch.arange(int(offsets[-1])) % 20
     _recorded_equals_real(vbe, indices, offsets, vbe=sizes)
+    # FATAL: the dry run records the check's launches but takes no verdict from the padded offsets, which
+    # its recorded layout kernel never wrote (the check synced on them and refused the garbage).
+    fatal = _module(optimizer=EmbOptimType.EXACT_SGD, bounds_check_mode=BoundsCheckMode.FATAL)
+    _recorded_equals_real(fatal, indices, offsets, vbe=sizes)
 
 
 def test_dry_run_records_the_register_cap():

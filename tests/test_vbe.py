@@ -263,6 +263,21 @@ def test_bad_vbe_input_raises_and_changes_nothing(call, error, match):
         assert torch.equal(a, b)
 
 
+def test_a_refused_merged_output_leaves_bad_offsets_and_the_count_alone():
+    """The merged output is checked before WARNING's repair writes the caller's offsets: a call refused for
+    its vbe_output changes nothing, bad offsets and the warning count included."""
+    m = TritonTBE(SPECS, feature_table_map=FTM, device="cpu", bounds_check_mode=BoundsCheckMode.WARNING)
+    idx = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    off = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 7])  # last offset short: WARNING would repair it
+    sizes = [[1, 1]] * 4
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    for call in (dict(vbe_output=torch.zeros(80, dtype=torch.float16), vbe_output_offsets=table),
+                 dict(vbe_output_offsets=table)):
+        with pytest.raises(ValueError, match="output dtype|given together"):
+            m(idx, off, batch_size_per_feature_per_rank=sizes, **call)
+        assert off.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 7] and int(m.bounds_check_warning) == 0
+
+
 def test_vbe_with_sequence_pooling_is_refused_like_fbgemm():
     m = TritonTBE([(10, 8)] * 3, device="cpu", pooling_mode=PoolingMode.NONE)
     with pytest.raises(ValueError, match="pooling_mode=NONE"):

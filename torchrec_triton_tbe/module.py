@@ -414,6 +414,9 @@ class TritonTBE(nn.Module):
                 # pads sequence batches before the lookup).
                 raise InputError("batch_size_per_feature_per_rank is not supported with pooling_mode=NONE")
             sizes = vbe_ops.check_batch_sizes(spec, batch_size_per_feature_per_rank)
+            if vbe_output is not None or vbe_output_offsets is not None:
+                # Before the offsets repair below writes the caller's offsets: a refused call changes nothing.
+                vbe_ops.check_output(spec, vbe_output, vbe_output_offsets, len(sizes[0]))
         elif vbe_output is not None or vbe_output_offsets is not None:
             raise InputError("vbe_output / vbe_output_offsets need batch_size_per_feature_per_rank")
         B = bounds_ops.validate_shapes(spec, indices, offsets, per_sample_weights, feature_requires_grad,

@@ -234,9 +234,11 @@ def _shape_note(args) -> str:
 
     (shape,) = load_suite(args.suite, {}, [args.shape])[1]
     case = shape.case
+    ids = 32 if args.index_dtype == "int32" else 64
     unused = [what for what, differs in (("per-sample weights", case.weighted),
-                                         (f"{case.indices_dtype}-bit ids", case.indices_dtype != 64),
-                                         (f"{case.weights_precision} weights", case.weights_precision != "fp32"))
+                                         (f"{case.indices_dtype}-bit ids", case.indices_dtype != ids),
+                                         (f"{case.weights_precision} weights", case.weights_precision != args.weights),
+                                         (f"{case.output_dtype} output", case.output_dtype != "fp32"))
               if differs]
     if not unused:
         return ""
@@ -745,14 +747,17 @@ def _run(args, setup: Setup) -> int:
     plan = _plan(_model(tables, setup, dense_in, pipeline), tables, args.sharding, setup, pipeline)
 
     row_split = {ps.sharding_type for mp in plan.values() for ps in mp.values()} & {"row_wise", "table_row_wise"}
-    if not setup.gpu and setup.world_size > 1 and row_split:
-        few = sorted(t.name for t in tables.bags + tables.sequence if t.num_embeddings < setup.world_size)
-        if few:
-            # A rank then holds a shard of 0 rows, and FBGEMM's CPU TBE trains the next table of its group
-            # wrongly (docs/torchrec.md, "Where fused cannot be the reference"): the A/B would fail on fused's side.
-            raise SystemExit(f"tables {few} have fewer rows than the {setup.world_size} ranks of a row-split plan: "
-                             "FBGEMM's CPU TBE ('fused' here) mis-trains the table after a 0-row shard; raise "
-                             "--rows-scale / --num-embeddings, or use table_wise / column_wise sharding")
+    if not setup.gpu and setup.world_size > 1:
+        # Row splits give a rank a shard of 0 rows wherever ceil(rows / ranks) runs out early (4 rows on 3
+        # ranks: 2, 2, 0), and FBGEMM's CPU TBE trains the next table of the group wrongly then
+        # (docs/torchrec.md, "Where fused cannot be the reference"): the A/B would fail on fused's side.
+        empty = sorted(t for mp in plan.values() for t, ps in mp.items()
+                       if ps.sharding_type in ("row_wise", "table_row_wise", "grid_shard")
+                       and any(sh.shard_sizes[0] == 0 for sh in getattr(ps.sharding_spec, "shards", None) or ()))
+        if empty:
+            raise SystemExit(f"tables {empty} get a shard of 0 rows on some of the {setup.world_size} ranks of "
+                             "this plan: FBGEMM's CPU TBE ('fused' here) mis-trains the table after a 0-row shard; "
+                             "raise --rows-scale / --num-embeddings, or use table_wise / column_wise sharding")
     if args.vbe and not setup.gpu and setup.world_size > 1 and row_split:
         # TorchRec 1.9.2's own backward of a variable batch over row-split tables gathers unequal sizes,
         # which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor size"), on fused as on ours.

@@ -124,7 +124,7 @@ def test_vbe_offsets_repair_matches_fbgemm_cuda(mode):
     N = idx.numel()
     short = off.clone()
     short[-1] = N - 3  # the last bag of the last feature (rank 1) loses its last three ids
-    assert short[-1] >= short[-2], "the last bag must hold more than three ids"
+    assert short[-1] >= short[-2], "the last bag must hold at least three ids"
     for name, bad in (("a short last offset", short),):
         ours, fb = pair(VBE_SPECS, VBE_FTM, optimizer=RWA, learning_rate=0.05, eps=0.1,
                         bounds_check_mode=getattr(BoundsCheckMode, mode))

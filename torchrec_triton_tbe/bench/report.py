@@ -299,7 +299,7 @@ def write_plot(path: str, record: dict[str, Any]) -> None:
 # elsewhere (another GPU, the interpreter, other versions) would be labelled with the wrong environment.
 _SAME_ENVIRONMENT: tuple[tuple[str, Callable[[dict], Any]], ...] = (
     ("timing (kernel times or the interpreter's)", lambda r: r.get("timing_meaningful", True)),
-    ("device", lambda r: r.get("environment", {}).get("device")),
+    ("device type", lambda r: str(r.get("environment", {}).get("device") or "").split(":")[0]),  # cuda:0 = cuda:1
     ("GPU", lambda r: (r.get("environment", {}).get("gpu") or {}).get("name")),
     ("versions", lambda r: r.get("environment", {}).get("versions")),
 )

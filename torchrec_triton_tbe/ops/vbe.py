@@ -11,9 +11,10 @@ feature's end), so the padded offsets [T * B + 1] are a gather of the given ones
 its fixed-batch bag grid unchanged. Only where a bag's output row is changes: a per-bag table
 ``out_map`` [T * B] holds each bag's row start in the 1-D output (-1 for padding bags, which write
 nothing), and the kernels read it instead of ``b * total_D + column[t]`` (their OUT_MAP constexpr).
-The bounds-check modes run on the padded offsets: a running-max repair of the padded sequence is the
-gather of the repaired given one, so results (and WARNING's counts) are FBGEMM's; the given offsets
-tensor itself is not repaired in place, as FBGEMM would.
+WARNING and IGNORE repair the given offsets in place, as FBGEMM does, before they are padded (repairing
+the padded copy set its last offset, a padding bag's end, to N: the last real bag lost its ids); FATAL
+and the id checks run on the padded offsets, which then name a bad bag's feature and sample, but quote
+its position and offsets in the padded copy.
 
 Cost against a fixed batch of the same lookups: T*B - sum B empty bags (two offsets read each), 8 B
 of table per bag (read once by the forward, once per lookup by the backward's gather), and one launch
@@ -79,8 +80,8 @@ def check_batch_sizes(spec: TBESpec, batch_size_per_feature_per_rank) -> list[li
     return sizes
 
 
-def _check_output(spec: TBESpec, vbe_output, vbe_output_offsets, ranks: int) -> None:
-    """FBGEMM's check_allocated_vbe_output, as ValueErrors."""
+def check_output(spec: TBESpec, vbe_output, vbe_output_offsets, ranks: int) -> None:
+    """FBGEMM's check_allocated_vbe_output, as ValueErrors (the forward runs it before anything is written)."""
     T = spec.plan.num_features
     if (vbe_output is None) != (vbe_output_offsets is None):
         raise InputError("vbe_output and vbe_output_offsets must be given together")
@@ -128,7 +129,7 @@ def vbe_layout(
         out_size = acc
         out_align = _pow2_divisor(math.gcd(*dims)) if dims else 1
     else:
-        _check_output(spec, vbe_output, vbe_output_offsets, R)
+        check_output(spec, vbe_output, vbe_output_offsets, R)
         base, out_size = None, vbe_output.numel()
         out_align = 1  # the caller's offsets are device data: nothing is known about their alignment
     host = bag_begin + per_feature + [x for row in rank_begin for x in row] + list(dims)
