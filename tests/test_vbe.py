@@ -296,6 +296,15 @@ def test_fatal_bounds_check_names_the_feature_and_sample():
     assert torch.equal(m.weights, before)
 
 
+def test_fatal_names_a_bad_bag_by_the_callers_position():
+    """The check runs on the padded offsets, but its message quotes the caller's bag and offsets."""
+    m = TritonTBE(SPECS, feature_table_map=FTM, device="cpu", bounds_check_mode=BoundsCheckMode.FATAL)
+    sizes = [[1, 0], [1, 0], [1, 1], [1, 0]]  # the caller's bags 0-4; feature 2's second is bag 3
+    off = torch.tensor([0, 1, 2, 3, 2, 5])  # bag 3 = [3, 2): ends before it starts
+    with pytest.raises(ValueError, match=r"bag 3 \(feature 2, .*sample 1\) spans offsets\[3:5\] = \[3, 2\)"):
+        m(torch.tensor([1, 2, 3, 4, 5]), off, batch_size_per_feature_per_rank=sizes)
+
+
 def test_fatal_refuses_ids_of_a_batch_with_no_bag():
     """Every batch size 0 (offsets [0]) with ids given: offsets[-1] != len(indices), refused as with B > 0
     (FBGEMM's check too: num_indices == offsets[total_B])."""

@@ -449,7 +449,7 @@ class TritonTBE(nn.Module):
         bounds_ops.check_and_repair(
             spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_scratch"],
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
-            offsets_repaired=vbe is not None,
+            offsets_repaired=vbe is not None, bag_begin=() if vbe is None else vbe.bag_begin,
         )
         call = self._lookup_call(spec, B, bufs)
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that

@@ -17,7 +17,7 @@ Host checks (dtypes, ranks, sizes) never touch data and never sync. Data checks 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -134,15 +134,17 @@ def check_and_repair(
     scratch: torch.Tensor,
     ids: bool = True,
     offsets_repaired: bool = False,
+    bag_begin: Sequence[int] = (),
 ) -> None:
     """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
     (fused bounds check); offsets are handled here (repair_offsets) unless ``offsets_repaired`` says
-    the caller already did (VBE repairs the caller's offsets before padding them)."""
+    the caller already did (VBE repairs the caller's offsets before padding them). ``bag_begin``
+    (VBE): the caller's index of each feature's first bag, for FATAL's messages."""
     mode = spec.bounds
     if mode == Bounds.NONE:
         return
     if mode == Bounds.FATAL:
-        _fatal_check(spec, indices, offsets, B)
+        _fatal_check(spec, indices, offsets, B, bag_begin)
         return
     if not offsets_repaired:
         repair_offsets(spec, offsets, indices.numel(), warning, scratch)
@@ -170,7 +172,8 @@ def repair_offsets(spec: TBESpec, offsets: torch.Tensor, N: int, warning: torch.
     )
 
 
-def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int) -> None:
+def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B: int,
+                 bag_begin: Sequence[int] = ()) -> None:
     N = indices.numel()
     device = offsets.device
     big = torch.iinfo(torch.int64).max
@@ -197,9 +200,11 @@ def _fatal_check(spec: TBESpec, indices: torch.Tensor, offsets: torch.Tensor, B:
     if bad_bag != big:
         t, b = divmod(bad_bag, B)
         s, e = offsets[bad_bag].item(), offsets[bad_bag + 1].item()
+        # VBE: the caller's bag (a real bag's padded offsets are the caller's, so s and e are too).
+        at = bag_begin[t] + b if bag_begin else bad_bag
         raise InputError(
-            f"bounds check (FATAL): bag {bad_bag} (feature {t}, {plan.table_label(plan.feature_table_map[t])}, sample {b}) "
-            f"spans offsets[{bad_bag}:{bad_bag + 2}] = [{s}, {e}); offsets must be non-decreasing within [0, {N}]"
+            f"bounds check (FATAL): bag {at} (feature {t}, {plan.table_label(plan.feature_table_map[t])}, sample {b}) "
+            f"spans offsets[{at}:{at + 2}] = [{s}, {e}); offsets must be non-decreasing within [0, {N}]"
             + plan.shard_note(plan.feature_table_map[t])
         )
     if bad_pos != N:

@@ -13,8 +13,7 @@ its fixed-batch bag grid unchanged. Only where a bag's output row is changes: a 
 nothing), and the kernels read it instead of ``b * total_D + column[t]`` (their OUT_MAP constexpr).
 WARNING and IGNORE repair the given offsets in place, as FBGEMM does, before they are padded (repairing
 the padded copy set its last offset, a padding bag's end, to N: the last real bag lost its ids); FATAL
-and the id checks run on the padded offsets, which then name a bad bag's feature and sample, but quote
-its position and offsets in the padded copy.
+and the id checks run on the padded offsets; FATAL's messages name a bad bag by the caller's position.
 
 Cost against a fixed batch of the same lookups: T*B - sum B empty bags (two offsets read each), 8 B
 of table per bag (read once by the forward, once per lookup by the backward's gather), and one launch
@@ -47,6 +46,7 @@ class VBELayout:
     out_size: int  # elements of the output (the caller's vbe_output when given)
     out_align: int  # a power of two (<= 16) dividing every out_map entry
     output: Optional[torch.Tensor] = None  # the caller's vbe_output, written in place
+    bag_begin: tuple = ()  # [T + 1] the caller's index of each feature's first bag (FATAL's messages name it)
 
 
 def _pow2_divisor(g: int) -> int:
@@ -155,4 +155,4 @@ def vbe_layout(
             4,
         )
     return VBELayout(B=B, offsets=padded, out_map=out_map, out_size=out_size, out_align=out_align,
-                     output=vbe_output)
+                     output=vbe_output, bag_begin=tuple(bag_begin))
