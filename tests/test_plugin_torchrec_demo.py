@@ -150,11 +150,14 @@ def test_shape_note_names_what_the_demo_does_not_take():
     demo's own options give the same."""
     import types
 
-    args = types.SimpleNamespace(suite="smoke", shape="mixed_weighted_int32", index_dtype="int64", weights="fp32")
-    note = torchrec_demo._shape_note(args)
+    from torchrec_triton_tbe.bench.case import load_suite
+
+    (shape,) = load_suite("smoke", {}, ["mixed_weighted_int32"])[1]
+    args = types.SimpleNamespace(index_dtype="int64", weights="fp32")
+    note = torchrec_demo._shape_note(shape.case, args)
     assert "per-sample weights" in note and "32-bit ids" in note, note
     args.index_dtype = "int32"
-    assert "32-bit ids" not in torchrec_demo._shape_note(args)
+    assert "32-bit ids" not in torchrec_demo._shape_note(shape.case, args)
 
 
 def test_demo_on_production_shaped_tables(tmp_path, capsys):

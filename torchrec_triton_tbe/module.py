@@ -437,19 +437,19 @@ class TritonTBE(nn.Module):
         # Before this forward writes the module's device state (the bounds check's count and scratch,
         # the step count): after the last forward's stream, where that was another one. Host only.
         self._follow_last_stream()
+        # WARNING / IGNORE repair the caller's offsets in place, as FBGEMM, and before VBE's layout pads
+        # them: a repaired last offset must close the last real bag, not a padding one.
+        bounds_ops.repair_offsets(spec, offsets, indices.numel(), bufs["bounds_check_warning"],
+                                  bufs["_bounds_scratch"])
         vbe = None
         if sizes is not None:
-            # WARNING / IGNORE repair the caller's offsets (in place, as FBGEMM) before the layout pads
-            # them: a repaired last offset must close the last real bag, not a padding one.
-            bounds_ops.repair_offsets(spec, offsets, indices.numel(), bufs["bounds_check_warning"],
-                                      bufs["_bounds_scratch"])
             # Every feature padded to the largest batch, every bag's output row in a table (ops/vbe.py).
             vbe = vbe_ops.vbe_layout(spec, offsets, sizes, vbe_output, vbe_output_offsets)
             offsets, B = vbe.offsets, vbe.B
         bounds_ops.check_and_repair(
-            spec, indices, offsets, B, bufs["bounds_check_warning"], bufs["_bounds_scratch"],
+            spec, indices, offsets, B, bufs["bounds_check_warning"],
             ids=not spec.fused_bounds_check or spec.nobag,  # the sequence forward does not repair ids
-            offsets_repaired=vbe is not None, bag_begin=() if vbe is None else vbe.bag_begin,
+            bag_begin=() if vbe is None else vbe.bag_begin,
         )
         call = self._lookup_call(spec, B, bufs)
         # FBGEMM's forward advances the step count (eval forwards too) and its backward applies that

@@ -188,6 +188,7 @@ class Tables:
     # Per bag table (--shape with bag_size_sigma_list): sizes int(normal(L, sigma)), negatives 0, as
     # FBGEMM's generator draws them; None: uniform in [0, 2L].
     bag_sigmas: Optional[list] = None
+    note: str = ""  # --shape: what of the shape the demo does not take (_shape_note), printed by rank 0
 
     @property
     def mixed_dims(self) -> bool:
@@ -225,15 +226,12 @@ def _shape_tables(args) -> Tables:
             for k in range(case.num_tables)]
     return Tables(bags, [], bag_sizes=[case.bag_size_at(k) for k in range(case.num_tables)],
                   alphas=[case.alpha_at(k) for k in range(case.num_tables)],
-                  bag_sigmas=None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list))
+                  bag_sigmas=None if case.bag_size_sigma_list is None else list(case.bag_size_sigma_list),
+                  note=_shape_note(case, args))
 
 
-def _shape_note(args) -> str:
-    """What of a --shape the demo does not take (its own options set those), or nothing."""
-    from torchrec_triton_tbe.bench.case import load_suite
-
-    (shape,) = load_suite(args.suite, {}, [args.shape])[1]
-    case = shape.case
+def _shape_note(case, args) -> str:
+    """What of a --shape's case the demo does not take (its own options set those), or nothing."""
     ids = 32 if args.index_dtype == "int32" else 64
     unused = [what for what, differs in (("per-sample weights", case.weighted),
                                          (f"{case.indices_dtype}-bit ids", case.indices_dtype != ids),
@@ -242,7 +240,7 @@ def _shape_note(args) -> str:
               if differs]
     if not unused:
         return ""
-    return (f"note: --shape {args.shape} gives the tables' rows, dims, bag sizes and Zipf exponents; its "
+    return (f"note: --shape {case.name} gives the tables' rows, dims, bag sizes and Zipf exponents; its "
             f"{', '.join(unused)} are not used (--index-dtype and --weights set ids and weights here)")
 
 
@@ -721,9 +719,8 @@ def _run(args, setup: Setup) -> int:
         setup = dataclasses.replace(setup, replicas=args.replicas)
     torch.manual_seed(args.seed)
     tables = _tables(args)
-    note = _shape_note(args) if args.shape is not None else ""
-    if note:
-        setup.print(note)
+    if tables.note:
+        setup.print(tables.note)
     dense_in = 13  # DLRM's Criteo dense feature count
     index_dtype = torch.int32 if args.index_dtype == "int32" else torch.int64
     # TorchRec's own keys, for both kernels: ids reach them in the KJT's dtype.

@@ -553,10 +553,14 @@ def suite_path(name_or_path: str) -> Path:
     return path
 
 
+class UnknownShapes(ValueError):
+    """``load_suite``'s ``only`` names shapes the suite does not have."""
+
+
 def load_suite(name_or_path: str, overrides: Mapping[str, Any],
                only: Optional[Sequence[str]] = None) -> tuple[dict[str, Any], list[SuiteShape]]:
     """(suite header, shapes). ``overrides`` are the explicit command-line options (win over the file).
-    ``only``: these shapes alone, in the file's order (``ValueError`` for a name the file lacks); the others
+    ``only``: these shapes alone, in the file's order (``UnknownShapes`` for a name the file lacks); the others
     are not built, so an override that does not fit them (``--num-tables`` against their lists) is no error."""
     path = suite_path(name_or_path)
     with open(path) as fh:
@@ -584,6 +588,6 @@ def load_suite(name_or_path: str, overrides: Mapping[str, Any],
         shapes.append(SuiteShape(case_from_mapping(values, name), baseline, note))
     unknown = [n for n in (only or ()) if n not in names]
     if unknown:
-        raise ValueError(f"--only: no shapes named {unknown} in {path}; known: {sorted(names)}")
+        raise UnknownShapes(f"--only: no shapes named {unknown} in {path}; known: {sorted(names)}")
     header = {"name": doc.get("name", path.stem), "path": str(path), "description": doc.get("description", "")}
     return header, shapes

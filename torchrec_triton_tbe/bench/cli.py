@@ -44,6 +44,7 @@ from torchrec_triton_tbe.bench.case import (
     check_fbgemm_only_options,
     device_with_spec_options,
     SuiteShape,
+    UnknownShapes,
     build_parser,
     case_from_mapping,
     explicit_options,
@@ -72,10 +73,8 @@ def _shapes(args, given: dict[str, Any]) -> tuple[Optional[dict], list[SuiteShap
     if args.suite:
         try:
             return load_suite(args.suite, overrides, args.only or None)
-        except ValueError as e:
-            if str(e).startswith("--only"):
-                raise SystemExit(str(e)) from None
-            raise
+        except UnknownShapes as e:
+            raise SystemExit(str(e)) from None
     if args.only:
         raise SystemExit("--only picks shapes of a suite: give --suite too")
     values = {k: getattr(args, k) for k in CASE_FIELDS}

@@ -131,31 +131,28 @@ def check_and_repair(
     offsets: torch.Tensor,
     B: int,
     warning: torch.Tensor,
-    scratch: torch.Tensor,
     ids: bool = True,
-    offsets_repaired: bool = False,
     bag_begin: Sequence[int] = (),
 ) -> None:
-    """Runs the module's bounds-check mode. ``ids=False`` leaves the id repair to the forward kernel
-    (fused bounds check); offsets are handled here (repair_offsets) unless ``offsets_repaired`` says
-    the caller already did (VBE repairs the caller's offsets before padding them). ``bag_begin``
-    (VBE): the caller's index of each feature's first bag, for FATAL's messages."""
+    """Runs the module's bounds-check mode on offsets that repair_offsets has already handled (WARNING /
+    IGNORE; before VBE pads them): FATAL's check, or the ids' repair. ``ids=False`` leaves that repair
+    to the forward kernel (fused bounds check). ``bag_begin`` (VBE): the caller's index of each
+    feature's first bag, for FATAL's messages."""
     mode = spec.bounds
     if mode == Bounds.NONE:
         return
     if mode == Bounds.FATAL:
         _fatal_check(spec, indices, offsets, B, bag_begin)
         return
-    if not offsets_repaired:
-        repair_offsets(spec, offsets, indices.numel(), warning, scratch)
     if ids:
         id_mode = REPAIR_COUNT if mode == Bounds.WARNING else REPAIR_SILENT
         _launch_id_check(spec, indices, offsets, B, id_mode, warning, warning)
 
 
 def repair_offsets(spec: TBESpec, offsets: torch.Tensor, N: int, warning: torch.Tensor, scratch: torch.Tensor) -> None:
-    """WARNING / IGNORE: checks the offsets and, when bad, repairs them in place, as FBGEMM does, in one
-    launch (counted under WARNING). Nothing under NONE or FATAL (FATAL's check is check_and_repair's).
+    """WARNING / IGNORE: checks the caller's offsets and, when bad, repairs them in place, as FBGEMM does,
+    in one launch (counted under WARNING); check_and_repair's id repair follows. Nothing under NONE or
+    FATAL (FATAL's check is check_and_repair's).
     ``scratch``: the module's int32[2] zeros, the check's count and tickets (kernels/bounds.py), zero
     again after it."""
     mode = spec.bounds

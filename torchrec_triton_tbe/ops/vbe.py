@@ -107,7 +107,8 @@ def vbe_layout(
     vbe_output_offsets: Optional[torch.Tensor] = None,
 ) -> VBELayout:
     """The padded offsets and per-bag output table of one variable batch (``sizes``: check_batch_sizes'
-    result; ``offsets``: already checked for their length, sum(sizes) + 1)."""
+    result; ``offsets``: already checked for their length, sum(sizes) + 1; ``vbe_output`` and its offsets:
+    by check_output, before the forward writes anything)."""
     plan = spec.plan
     T, R = plan.num_features, len(sizes[0])
     dims = plan.feature_dims
@@ -129,7 +130,6 @@ def vbe_layout(
         out_size = acc
         out_align = _pow2_divisor(math.gcd(*dims)) if dims else 1
     else:
-        check_output(spec, vbe_output, vbe_output_offsets, R)
         base, out_size = None, vbe_output.numel()
         out_align = 1  # the caller's offsets are device data: nothing is known about their alignment
     host = bag_begin + per_feature + [x for row in rank_begin for x in row] + list(dims)
