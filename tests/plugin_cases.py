@@ -5,6 +5,7 @@ world of one, or spawned gloo ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -38,7 +39,13 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardedTensor, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardedTensor,
+    ShardingEnv,
+    ShardingPlan,
+)
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -63,10 +70,13 @@ ATOL, RTOL = TOLERANCE[DataType.FP32]
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Which collection: per-sample weights or not, weight precision."""
+    """Which collection: per-sample weights or not, weight precision; ``dense``: a dense parameter (a
+    learned output scale) beside the tables, so DistributedModelParallel wraps the model in DDP, as
+    its ``reshard`` expects."""
 
     weighted: bool = False
     data_type: DataType = DataType.FP32
+    dense: bool = False
 
     @property
     def tables(self) -> Sequence[EmbeddingBagConfig]:
@@ -129,9 +139,12 @@ class Model(nn.Module):
         self.ebc = EmbeddingBagCollection(
             tables=list(variant.tables), is_weighted=variant.weighted, device=torch.device(device)
         )
+        if variant.dense:
+            self.scale = nn.Parameter(torch.ones(1, device=torch.device(device)))
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        return self.ebc(kjt).values()
+        pooled = self.ebc(kjt).values()
+        return pooled * self.scale if self.variant.dense else pooled
 
 
 def reference_state(variant: Variant = Variant(), seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -190,11 +203,12 @@ GENERATORS = {
 }
 
 
-def base_plan(sharding: str, world_size: int, variant: Variant = Variant()) -> EmbeddingModuleShardingPlan:
+def base_plan(sharding: str, world_size: int, variant: Variant = Variant(),
+              device: str = "cpu") -> EmbeddingModuleShardingPlan:
     gens = GENERATORS[sharding](world_size)
     return construct_module_sharding_plan(
         Model(variant).ebc, {t.name: gens[t.name] for t in TABLES}, sharder=TritonTBESharder(),
-        local_size=world_size, world_size=world_size, device_type="cpu",
+        local_size=world_size, world_size=world_size, device_type=device,
     )
 
 
@@ -202,9 +216,10 @@ def fused_params(optimizer: EmbOptimType, **extra) -> dict:
     return dict(optimizer=optimizer, learning_rate=LR, eps=0.05, **extra)
 
 
-def make_dmp(plan: EmbeddingModuleShardingPlan, sharder, variant: Variant = Variant(), init: Optional[dict] = None):
+def make_dmp(plan: EmbeddingModuleShardingPlan, sharder, variant: Variant = Variant(), init: Optional[dict] = None,
+             device: str = "cpu"):
     dmp = DistributedModelParallel(
-        Model(variant), env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        Model(variant), env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device(device),
         plan=ShardingPlan({"ebc": plan}), sharders=[sharder],
     )
     state = init if init is not None else reference_state(variant)
@@ -226,19 +241,21 @@ class Case:
     variant: Variant = Variant()
     steps: int = 2
 
-    def plans(self, world_size: int):
-        plan = base_plan(self.sharding, world_size, self.variant)
+    def plans(self, world_size: int, device: str = "cpu"):
+        plan = base_plan(self.sharding, world_size, self.variant, device)
         if self.bounds_check_mode is not None:
             for ps in plan.values():
                 ps.bounds_check_mode = self.bounds_check_mode
         return use_fused(plan), use_triton_tbe(plan, options=self.options)
 
 
-def train(dmp, steps: int, rank: int, kjt_dtype=torch.int64, bad_ids: bool = False, first_step: int = 0) -> List[float]:
+def train(dmp, steps: int, rank: int, kjt_dtype=torch.int64, bad_ids: bool = False, first_step: int = 0,
+          device: str = "cpu") -> List[float]:
     variant = dmp.module.variant
     losses = []
     for step in range(first_step, first_step + steps):
         kjt = batch(variant.tables, step, rank, kjt_dtype, bad_ids=bad_ids, weighted=variant.weighted)
+        kjt = kjt.to(torch.device(device))
         loss = loss_fn(dmp(kjt), step)
         loss.backward()
         dmp.fused_optimizer.step()
@@ -358,6 +375,82 @@ def assert_same_state(ours, fused, what: str, atol=ATOL, rtol=RTOL) -> None:
             assert_close(local(a[key]), local(b[key]), f"{what} {kind} {key}", atol, rtol)
 
 
+# ---------------------------------------------------------------------------------------------- resharding
+class _Done:
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def self_sends():
+    """``torch.distributed.batch_isend_irecv`` on a world of one whose sends all go to itself: each receive
+    copies the send of its tag (gloo cannot send to itself; NCCL can). For resharding on one CPU rank."""
+    real = dist.batch_isend_irecv
+
+    def batch_isend_irecv(ops):
+        assert dist.get_world_size() == 1, "self_sends() is for a world of one"
+        sends = {op.tag: op.tensor for op in ops if op.op is dist.isend}
+        assert len(sends) == sum(op.op is dist.isend for op in ops), "two sends with one tag"
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.copy_(sends.pop(op.tag))
+        assert not sends, f"sends nobody received: tags {sorted(sends)}"
+        return [_Done() for _ in ops]
+
+    dist.batch_isend_irecv = batch_isend_irecv
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = real
+
+
+def reshard_ab(rank: int, world_size: int, device: str = "cpu") -> None:
+    """TorchRec's dynamic resharding (``DistributedModelParallel.reshard``) of a table-wise plan, on fused and
+    on ours: t0 and t1 swap ranks (on one rank: each moves onto itself, a send to self), given as TorchRec's
+    delta plans are, plain ``ParameterSharding``s. Training before and after gives the same losses, weights
+    and optimizer state on both kernels, and our tables keep our kernel and their plan options (not the
+    sharder's), and the reshard itself leaves every weight and optimizer state as it was. On gloo, one rank
+    only, under ``self_sends()``: gloo has no send to self, and on two gloo ranks TorchRec's transfer waits
+    forever with fused as with ours."""
+    case = Case("table_wise", EmbOptimType.EXACT_ROWWISE_ADAGRAD, TritonTBEOptions(hoist_transpose=True),
+                variant=Variant(dense=True))
+    sharder = TritonTBESharder(fused_params=fused_params(case.optimizer))  # the sharder's options: defaults
+    last = world_size - 1
+    results = []
+    for kernel, plan in zip(("fused", "customized_kernel"), case.plans(world_size, device)):
+        dmp = make_dmp(plan, sharder, case.variant, device=device)
+        losses = train(dmp, 2, rank, device=device)
+        moves = {"t0": last, "t1": 0, "t2": 0}  # t2 stays: left out of the delta
+        new_plan = construct_module_sharding_plan(
+            Model().ebc, {t: table_wise(rank=r, compute_kernel=kernel) for t, r in moves.items()},
+            sharder=TritonTBESharder(), local_size=world_size, world_size=world_size, device_type=device,
+        )
+        delta = EmbeddingModuleShardingPlan({t: new_plan[t] for t in ("t0", "t1")})
+        assert all(type(ps) is ParameterSharding for ps in delta.values()), delta
+        before = full_state(dmp)
+        with self_sends() if device == "cpu" else contextlib.nullcontext():
+            dmp.reshard({"ebc": (0.0, delta)}, "ebc")
+        after = full_state(dmp)  # every weight and optimizer state moved as it was
+        assert sorted(after) == sorted(before), (sorted(after), sorted(before))
+        for name in before:
+            assert_close(after[name], before[name], f"{kernel}: {name} after reshard", atol=0, rtol=0)
+        losses += train(dmp, 2, rank, first_step=2, device=device)
+        results.append((losses, dmp))
+    (fused_losses, fused), (our_losses, ours) = results
+    entries = ours.module.ebc.module_sharding_plan
+    assert all(isinstance(ps, plugin.TritonTBEParameterSharding) and ps.options == case.options
+               for ps in entries.values()), entries
+    assert entries["t0"].ranks == [last] and entries["t1"].ranks == [0], entries
+    assert_routed(ours, expect_ours=True)
+    assert_routed(fused, expect_ours=False)
+    assert_options(ours, case)
+    assert_close(torch.tensor(our_losses), torch.tensor(fused_losses), f"reshard on {world_size} ranks: losses")
+    assert_same_state(ours, fused, f"reshard on {world_size} ranks, rank {rank}")
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def checkpoint_interchange(rank: int, world_size: int, sharding: str,
                            optimizer: EmbOptimType = EmbOptimType.EXACT_ROWWISE_ADAGRAD) -> None:
@@ -404,9 +497,12 @@ def full_state(dmp) -> Dict[str, torch.Tensor]:
     out = {}
     for k in sorted(union):
         size, dtype, sharded = union[k]
-        full = dense(local[k]).double() if k in local else torch.zeros(size, dtype=torch.float64)
+        full = dense(local[k]).double().cpu() if k in local else torch.zeros(size, dtype=torch.float64)
         if sharded and dist.get_world_size() > 1:
+            on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else full.device
+            full = full.to(on)  # NCCL reduces GPU tensors only
             dist.all_reduce(full)
+            full = full.cpu()
         out[k] = full
     return out
 

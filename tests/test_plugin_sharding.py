@@ -135,6 +135,34 @@ def test_every_option_value_is_covered():
     assert {c.variant.weighted for c in ONE_RANK} == {c.variant.weighted for c in TWO_RANKS} == {False, True}
 
 
+# ---------------------------------------------------------------------------------------------- resharding
+def test_reshard_moves_our_tables_like_fused(one_rank):
+    """DistributedModelParallel.reshard (TorchRec's dynamic resharding) with a delta of plain entries, as
+    TorchRec makes them: our tables stay on our kernel with their plan options, and training before and
+    after matches fused (plugin_cases.reshard_ab; on one gloo rank, its sends to itself emulated). Before
+    the sharder upgraded the delta, TorchRec installed the plain entries and failed in the state it rebuilds."""
+    pc.reshard_ab(0, 1)
+
+
+@pytest.mark.parametrize("to", ["fused", "customized_kernel"])
+def test_reshard_refuses_a_kernel_change_before_moving_anything(one_rank, to):
+    variant = Variant(dense=True)
+    fused_plan, our_plan = Case(variant=variant).plans(1)
+    start = our_plan if to == "fused" else fused_plan
+    dmp = pc.make_dmp(start, TritonTBESharder(fused_params=pc.fused_params(ADAGRAD)), variant)
+    before = {k: pc.local(v).clone() for k, v in dmp.state_dict().items()}
+    delta = construct_module_sharding_plan(pc.Model(variant).ebc, {t.name: table_wise(rank=0, compute_kernel=to)
+                                                                    for t in pc.TABLES},
+                                           sharder=TritonTBESharder(), local_size=1, world_size=1, device_type="cpu")
+    with pytest.raises(NotImplementedError, match=r"resharding table 't0' from compute kernel .*reshard moves shards"):
+        dmp.reshard({"ebc": (0.0, delta)}, "ebc")
+    assert dmp.module.ebc.module_sharding_plan == start
+    pc.assert_routed(dmp, expect_ours=to == "fused")
+    after = dmp.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(pc.local(after[k]), v) for k, v in before.items())
+    pc.train(dmp, 1, 0)
+
+
 # ---------------------------------------------------------------------------------------------- routing
 def test_routing_installed_once():
     for cls in (GroupedPooledEmbeddingsLookup, GroupedEmbeddingsLookup):

@@ -66,3 +66,17 @@ def test_demo_in_the_train_pipeline_matches_fused(sharding):
     argv = ["--sharding", sharding, "--steps", "6", "--batch-size", "2048", "--num-embeddings", "50000",
             "--embedding-dim", "64", "--learning-rate", "0.01"]
     assert torchrec_demo.main(argv) == 0
+
+
+def test_reshard_on_nccl_matches_fused():
+    """DistributedModelParallel.reshard (TorchRec's dynamic resharding) on one NCCL rank, whose shards move
+    onto the rank itself (NCCL sends to itself; gloo cannot, so the CPU test emulates it): our tables keep
+    our kernel and options, and training before and after matches fused (tests/plugin_cases.py:
+    reshard_ab). tests/gpu/test_gpu_multi.py moves them between two GPUs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import plugin_cases as pc
+
+    pc.spawn(pc.reshard_ab, 1, "cuda", backend="nccl")

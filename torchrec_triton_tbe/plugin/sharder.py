@@ -233,7 +233,7 @@ class _OurKernelSharder:
                 )
         return params
 
-    def _upgrade(self, table: str, ps: ParameterSharding) -> ParameterSharding:
+    def _upgrade(self, table: str, ps: ParameterSharding, options: Optional[TritonTBEOptions] = None) -> ParameterSharding:
         if ps.compute_kernel != CUSTOMIZED or isinstance(ps, TritonTBEParameterSharding):
             return ps
         if hasattr(ps, "get_additional_fused_params"):
@@ -243,7 +243,30 @@ class _OurKernelSharder:
                 f"Triton TBE kernel: table {table!r} is planned with sharding type {ps.sharding_type!r}; "
                 f"supported: {list(self.sharding_types_ours)}"
             )
-        return TritonTBEParameterSharding.from_sharding(ps, self.options)
+        return TritonTBEParameterSharding.from_sharding(ps, self.options if options is None else options)
+
+    def _resharding_params(self, sharded_module: nn.Module, changed: EmbeddingModuleShardingPlan,
+                           env: ShardingEnv) -> EmbeddingModuleShardingPlan:
+        """The delta plan of ``DistributedModelParallel.reshard`` with its plain ``customized_kernel`` entries
+        upgraded to ours (``output_sharding_plan_delta`` and hand-made deltas are plain ``ParameterSharding``s),
+        each keeping its table's options. Without it TorchRec's ``update_shards`` would install plain
+        entries, which ``_initialize_torch_state`` and the lookups do not take for ours. Resharding moves
+        shards: a delta that would move a table onto or off our kernel is refused before anything moves
+        (TorchRec keeps the table's kernel parameters from the first sharding)."""
+        before = sharded_module.module_sharding_plan
+        out = type(changed)()
+        for table, ps in changed.items():
+            old = before.get(table)
+            was_ours = old is not None and is_triton_tbe_sharding(old)
+            out[table] = self._upgrade(table, ps, old.options if was_ours else None)
+            if old is not None and was_ours != is_triton_tbe_sharding(out[table]):
+                raise NotImplementedError(
+                    f"Triton TBE kernel: resharding table {table!r} from compute kernel {old.compute_kernel!r} to "
+                    f"{ps.compute_kernel!r}: reshard moves shards and keeps each table's kernel; to change kernels, "
+                    "load a checkpoint into a model planned with use_triton_tbe / use_fused (docs/torchrec.md)"
+                )
+        self._our_params(dict(out), env)  # the same refusals as shard()'s
+        return out
 
 
 class TritonTBESharder(_OurKernelSharder, EmbeddingBagCollectionSharder):
@@ -286,6 +309,18 @@ class TritonTBESharder(_OurKernelSharder, EmbeddingBagCollectionSharder):
             module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
         )
+
+    def reshard(
+        self,
+        sharded_module: ShardedEmbeddingBagCollection,
+        changed_shard_to_params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedEmbeddingBagCollection:
+        """TorchRec's dynamic resharding (``DistributedModelParallel.reshard``), with the delta's plain
+        ``customized_kernel`` entries upgraded to ours first (``_resharding_params``)."""
+        changed = self._resharding_params(sharded_module, changed_shard_to_params, env)
+        return super().reshard(sharded_module, changed, env, device)
 
     @property
     def sharded_module_type(self) -> type:
