@@ -15,6 +15,8 @@ from torchrec_triton_tbe.plugin.options import MARKER, TritonTBEOptions
 from torchrec_triton_tbe.plugin.plans import grid_shard, table_column_wise
 from torchrec_triton_tbe.plugin.sharder import (
     TritonTBEEmbeddingCollectionSharder,
+    TritonTBEEmbeddingTowerCollectionSharder,
+    TritonTBEEmbeddingTowerSharder,
     TritonTBEFeatureProcessedSharder,
     TritonTBEManagedCollisionEmbeddingCollectionSharder,
     TritonTBEManagedCollisionSharder,
@@ -37,6 +39,8 @@ __all__ = [
     "TritonTBEEmbedding",
     "TritonTBEEmbeddingBag",
     "TritonTBEEmbeddingCollectionSharder",
+    "TritonTBEEmbeddingTowerCollectionSharder",
+    "TritonTBEEmbeddingTowerSharder",
     "TritonTBEFeatureProcessedSharder",
     "TritonTBEManagedCollisionEmbeddingCollectionSharder",
     "TritonTBEManagedCollisionSharder",

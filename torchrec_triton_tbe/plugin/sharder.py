@@ -12,6 +12,8 @@ rewriting for A/B runs against ``fused``, and the planner set-up.
   ``TritonTBEManagedCollisionSharder``, ``TritonTBEManagedCollisionEmbeddingCollectionSharder``: TorchRec's
   ``FeatureProcessedEmbeddingBagCollection``, ``ManagedCollisionEmbeddingBagCollection`` and
   ``ManagedCollisionEmbeddingCollection`` sharders with ours inside.
+  ``TritonTBEEmbeddingTowerSharder``, ``TritonTBEEmbeddingTowerCollectionSharder``: the same for TorchRec's
+  ``EmbeddingTower`` and ``EmbeddingTowerCollection``.
 * Planner set-up, on import: a bandwidth for ``customized_kernel`` (TorchRec's estimator has none and
   raises) and ``customized_kernel`` in the enumerator's guarded kernels, so the planner uses it only for
   tables whose ``ParameterConstraints.compute_kernels`` ask for it.
@@ -27,6 +29,7 @@ from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.embedding_tower_sharding import EmbeddingTowerCollectionSharder, EmbeddingTowerSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
@@ -451,6 +454,54 @@ class TritonTBEManagedCollisionEmbeddingCollectionSharder(
 
     _inner = TritonTBEEmbeddingCollectionSharder
     _inner_keyword = "ec_sharder"
+
+
+class TritonTBEEmbeddingTowerSharder(_OurKernelSharder, EmbeddingTowerSharder):
+    """Shards TorchRec's ``EmbeddingTower`` (an embedding collection and its interaction, placed together on one
+    host: table-row- or table-column-wise): TorchRec's own sharder, with our sharder for the tower's
+    ``EmbeddingBagCollection`` or ``EmbeddingCollection`` where TorchRec's builds its stock ones, and
+    ``customized_kernel`` offered to the planner. Arguments: ``fused_params``, ``qcomm_codecs_registry``,
+    ``options`` (ours)."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+    ) -> None:
+        self._init_options(fused_params, options)
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def embedding_sharder(self, module: nn.Module) -> Any:
+        embedding = module.embedding
+        args = dict(fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry,
+                    options=self.options)
+        if isinstance(embedding, EmbeddingBagCollection):
+            return TritonTBESharder(**args)
+        if isinstance(embedding, EmbeddingCollection):
+            return TritonTBEEmbeddingCollectionSharder(**args)
+        return super().embedding_sharder(module)  # TorchRec's error for anything else
+
+
+class TritonTBEEmbeddingTowerCollectionSharder(EmbeddingTowerCollectionSharder):
+    """Shards TorchRec's ``EmbeddingTowerCollection``: TorchRec's own sharder around a
+    ``TritonTBEEmbeddingTowerSharder`` for its towers."""
+
+    def __init__(
+        self,
+        fused_params: Optional[Dict[str, Any]] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        options: TritonTBEOptions = TritonTBEOptions(),
+    ) -> None:
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        self._tower_sharder = TritonTBEEmbeddingTowerSharder(self.fused_params, qcomm_codecs_registry, options)
+
+    @property
+    def options(self) -> TritonTBEOptions:
+        return self._tower_sharder.options
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list:
+        return self._tower_sharder.compute_kernels(sharding_type, compute_device_type)
 
 
 def _require(module: nn.Module, kind: type, other: str) -> None:

@@ -69,8 +69,9 @@ def _ours(config: GroupedEmbeddingConfig) -> bool:
             f"tables {tables} are planned on the Triton TBE kernel, but their collection is being sharded by a "
             "sharder that is not this plugin's: pass torchrec_triton_tbe.plugin's sharder for it "
             "(TritonTBESharder for an EmbeddingBagCollection, TritonTBEEmbeddingCollectionSharder, "
-            "TritonTBEFeatureProcessedSharder, TritonTBEManagedCollisionSharder or "
-            "TritonTBEManagedCollisionEmbeddingCollectionSharder) in DistributedModelParallel's sharders, "
+            "TritonTBEFeatureProcessedSharder, TritonTBEManagedCollisionSharder, "
+            "TritonTBEManagedCollisionEmbeddingCollectionSharder, TritonTBEEmbeddingTowerSharder or "
+            "TritonTBEEmbeddingTowerCollectionSharder) in DistributedModelParallel's sharders, "
             "and no other sharder for the same module type after it"
         )
     return True
