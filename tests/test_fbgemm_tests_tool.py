@@ -45,6 +45,12 @@ def test_drawn(i):
     assert out.shape == (2, 4)
 
 
+@settings(max_examples=MAX_EXAMPLES)
+@given(st.integers(0, 3))
+def test_every_example_refused(i):
+    build(OptimType.ROWWISE_RMSPROP_AR if EXPECT == "TritonTBE" else OptimType.EXACT_SGD)
+
+
 def test_without_examples():
     build(OptimType.ROWWISE_RMSPROP_AR if EXPECT == "TritonTBE" else OptimType.EXACT_SGD)
 
@@ -66,11 +72,11 @@ def folder(tmp_path):
     return tmp_path
 
 
-def _run(folder, *args, expect: str):
+def _run(folder, *args, expect: str, pytest_args=("tbe/training/standin_test.py",)):
     out = folder / "out.json"
     env = {**os.environ, "EXPECT_MODULE": expect, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fbgemm_tests.py"), str(folder), "--examples", "6",
-                           "--json", str(out), *args, "--", "tbe/training/standin_test.py"],
+                           "--json", str(out), *args, "--", *pytest_args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     return proc, json.loads(out.read_text()) if out.exists() else None
 
@@ -82,6 +88,8 @@ def test_runs_the_tests_on_triton_tbe_and_counts_refusals(folder):
     drawn = tests["tbe/training/standin_test.py::test_drawn"]
     assert drawn["outcome"] == "passed" and 1 <= drawn["modules_built"] <= 6, drawn
     assert tests["tbe/training/standin_test.py::test_without_examples"] == {"outcome": "refused", "modules_built": 0}
+    assert tests["tbe/training/standin_test.py::test_every_example_refused"] == {"outcome": "refused",
+                                                                                "modules_built": 0}
     assert tests["tbe/training/standin_test.py::test_skipped"]["outcome"] == "skipped"
     (message, count), = summary["refusals"].items()
     assert "ROWWISE_RMSPROP_AR is not supported" in message and count >= 2
@@ -106,3 +114,25 @@ def test_refuses_a_folder_that_is_not_fbgemms(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fbgemm_tests.py"), str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "no tbe/common.py" in proc.stderr
+
+
+def test_pytest_arguments_keep_the_users_and_join_the_deselection():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fbgemm_tests", ROOT / "tools" / "fbgemm_tests.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    folder = ROOT / "tests"  # any folder: paths are looked up in it
+    assert tool.pytest_arguments([], folder, keep_all=False) == [*tool.DEFAULT_FILES, "-k", tool.DESELECT]
+    assert tool.pytest_arguments(["-k", "sgd", "-x"], folder, keep_all=False) == [
+        "-x", *tool.DEFAULT_FILES, "-k", f"(sgd) and ({tool.DESELECT})"]
+    assert tool.pytest_arguments(["-ksgd"], folder, keep_all=True) == [*tool.DEFAULT_FILES, "-k", "sgd"]
+    # A path in the folder (a file, a test id or a directory) replaces the defaults; option values stay put.
+    given = ["--deselect", "conftest.py::x", "gpu", "test_vbe.py::test_a"]
+    assert tool.pytest_arguments(given, folder, keep_all=True) == given
+
+
+def test_a_users_keyword_selects_within_the_tool(folder):
+    proc, summary = _run(folder, expect="TritonTBE", pytest_args=("-k", "skipped", "tbe/training/standin_test.py"))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert list(summary["tests"]) == ["tbe/training/standin_test.py::test_skipped"]

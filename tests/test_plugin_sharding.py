@@ -144,20 +144,36 @@ def test_reshard_moves_our_tables_like_fused(one_rank):
     pc.reshard_ab(0, 1)
 
 
-@pytest.mark.parametrize("to", ["fused", "customized_kernel"])
-def test_reshard_refuses_a_kernel_change_before_moving_anything(one_rank, to):
+REFUSED_DELTAS = {
+    "ours-to-fused": (r"resharding table 't0' from compute kernel .*reshard moves shards", NotImplementedError),
+    "fused-to-ours": (r"resharding table 't0' from compute kernel .*reshard moves shards", NotImplementedError),
+    "other-options": (r"resharding table 't0' with options .*keeps the kernel TorchRec built", NotImplementedError),
+    "unknown-table": (r"names tables \['t9'\] that this module does not have", KeyError),
+}
+
+
+@pytest.mark.parametrize("delta_kind", list(REFUSED_DELTAS))
+def test_reshard_refuses_what_it_cannot_do_before_moving_anything(one_rank, delta_kind):
+    """A delta moving a table onto or off our kernel, giving one of ours other options (TorchRec keeps the
+    kernel it built with the first ones), or naming a table the module lacks: refused, the module as before."""
     variant = Variant(dense=True)
     fused_plan, our_plan = Case(variant=variant).plans(1)
-    start = our_plan if to == "fused" else fused_plan
+    start = fused_plan if delta_kind == "fused-to-ours" else our_plan
     dmp = pc.make_dmp(start, TritonTBESharder(fused_params=pc.fused_params(ADAGRAD)), variant)
     before = {k: pc.local(v).clone() for k, v in dmp.state_dict().items()}
-    delta = construct_module_sharding_plan(pc.Model(variant).ebc, {t.name: table_wise(rank=0, compute_kernel=to)
+    kernel = "fused" if delta_kind == "ours-to-fused" else "customized_kernel"
+    delta = construct_module_sharding_plan(pc.Model(variant).ebc, {t.name: table_wise(rank=0, compute_kernel=kernel)
                                                                     for t in pc.TABLES},
                                            sharder=TritonTBESharder(), local_size=1, world_size=1, device_type="cpu")
-    with pytest.raises(NotImplementedError, match=r"resharding table 't0' from compute kernel .*reshard moves shards"):
+    if delta_kind == "other-options":
+        delta = use_triton_tbe(delta, options=Options(check_finite=True))
+    if delta_kind == "unknown-table":
+        delta["t9"] = delta.pop("t2")
+    match, error = REFUSED_DELTAS[delta_kind]
+    with pytest.raises(error, match=match):
         dmp.reshard({"ebc": (0.0, delta)}, "ebc")
     assert dmp.module.ebc.module_sharding_plan == start
-    pc.assert_routed(dmp, expect_ours=to == "fused")
+    pc.assert_routed(dmp, expect_ours=delta_kind != "fused-to-ours")
     after = dmp.state_dict()
     assert sorted(after) == sorted(before) and all(torch.equal(pc.local(after[k]), v) for k, v in before.items())
     pc.train(dmp, 1, 0)

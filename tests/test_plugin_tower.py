@@ -1,7 +1,8 @@
 """TorchRec's EmbeddingTower and EmbeddingTowerCollection (an embedding collection and its interaction,
 placed together) with our tower sharders: a planner's plan on ``customized_kernel`` builds our kernel for the
 tower's tables, and training equals the same plan on ``fused`` (FBGEMM's CPU TBE), table-row- and
-table-column-wise, on one gloo rank. TorchRec's own tower sharders build its stock collection sharders
+table-column-wise, on one gloo rank: towers of an EmbeddingBagCollection, alone or in a collection, and of an
+EmbeddingCollection (sequence tables). TorchRec's own tower sharders build its stock collection sharders
 inside, so our tables there were refused."""
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 import plugin_cases as pc
 from plugin_cases import EmbOptimType
 from torchrec_triton_tbe.plugin import (
+    TritonTBEEmbedding,
     TritonTBEEmbeddingBag,
     TritonTBEEmbeddingTowerCollectionSharder,
     TritonTBEEmbeddingTowerSharder,
@@ -19,33 +21,46 @@ from torchrec_triton_tbe.plugin import (
 )
 
 import torchrec.distributed.embedding_tower_sharding as tower_sharding
-from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 
 WIDTH = sum(t.embedding_dim * len(t.feature_names) for t in pc.TABLES)
+KINDS = ("tower", "tower-collection", "sequence-tower")
 
 
 class Interaction(nn.Module):
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.proj = nn.Linear(WIDTH, 4, device=device)
+    """Pooled: the KeyedTensor's [B, WIDTH] values; sequence: every feature's [ids, 8] rows, stacked."""
 
-    def forward(self, pooled) -> torch.Tensor:
-        return self.proj(pooled.values())
+    def __init__(self, sequence: bool, device: torch.device) -> None:
+        super().__init__()
+        self.sequence = sequence
+        self.proj = nn.Linear(8 if sequence else WIDTH, 4, device=device)
+
+    def forward(self, embedded) -> torch.Tensor:
+        if self.sequence:
+            return self.proj(torch.cat([embedded[f].values() for f in pc.SEQ_FEATURES]))
+        return self.proj(embedded.values())
+
+
+def _tables(kind: str) -> tuple:
+    return pc.SEQ_TABLES if kind == "sequence-tower" else pc.TABLES
 
 
 class TowerModel(nn.Module):
-    def __init__(self, collection: bool, device: str = "cpu") -> None:  # TorchRec moves a tower's interaction
+    def __init__(self, kind: str, device: str = "cpu") -> None:  # TorchRec moves a tower's interaction
         super().__init__()
         device = torch.device(device)
-        tower = EmbeddingTower(EmbeddingBagCollection(tables=list(pc.TABLES), device=device), Interaction(device))
-        self.collection = collection
-        self.towers = EmbeddingTowerCollection([tower]) if collection else tower
+        sequence = kind == "sequence-tower"
+        collection = (EmbeddingCollection if sequence else EmbeddingBagCollection)(tables=list(_tables(kind)),
+                                                                                   device=device)
+        tower = EmbeddingTower(collection, Interaction(sequence, device))
+        self.towers = EmbeddingTowerCollection([tower]) if kind == "tower-collection" else tower
 
     def forward(self, kjt) -> torch.Tensor:
         return self.towers(kjt)  # EmbeddingTowerCollection: features, then weighted features
@@ -73,12 +88,12 @@ def cpu_interaction_ddp(monkeypatch):
 def _kernels(module: nn.Module) -> list:
     """The TBE kernels of the sharded collections under ``module``, found through ``_modules`` (TorchRec's
     sharded modules list only themselves in ``modules()``, and hold their lookups in a plain list)."""
-    if isinstance(module, ShardedEmbeddingBagCollection):
+    if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
         return [k for lookup in module._lookups for k in pc._unwrap(lookup)._emb_modules]
     return [k for child in module._modules.values() if child is not None for k in _kernels(child)]
 
 
-def _load_tables(dmp, init: dict) -> None:
+def _load_tables(dmp, init: dict, tables) -> None:
     """The unsharded tables' weights, copied into each kernel's shards (TorchRec's tower collection loads a
     state_dict under other names than its ``state_dict()`` gives, with fused as with ours)."""
     seen = set()
@@ -88,38 +103,43 @@ def _load_tables(dmp, init: dict) -> None:
                 (r0, c0), (rows, cols) = table.local_metadata.shard_offsets, table.local_metadata.shard_sizes
                 weight.copy_(init[f"{table.name}.weight"][r0:r0 + rows, c0:c0 + cols])
                 seen.add(table.name)
-    assert seen == {t.name for t in pc.TABLES}, seen
+    assert seen == {t.name for t in tables}, seen
 
 
-@pytest.mark.parametrize("collection", [False, True], ids=["tower", "tower-collection"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sharding", ["table_row_wise", "table_column_wise"])
-def test_tower_tables_train_like_fused(one_rank, cpu_interaction_ddp, collection, sharding):
+def test_tower_tables_train_like_fused(one_rank, cpu_interaction_ddp, kind, sharding):
     optimizer = EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    sharder_type = TritonTBEEmbeddingTowerCollectionSharder if collection else TritonTBEEmbeddingTowerSharder
+    sharder_type = TritonTBEEmbeddingTowerCollectionSharder if kind == "tower-collection" else \
+        TritonTBEEmbeddingTowerSharder
     sharder = sharder_type(fused_params=pc.fused_params(optimizer))
+    tables = _tables(kind)
     constraints = {t.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=["customized_kernel"])
-                   for t in pc.TABLES}
+                   for t in tables}
     planner = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu"), constraints=constraints)
-    plan = planner.collective_plan(TowerModel(collection), [sharder], torch.distributed.group.WORLD)
+    plan = planner.collective_plan(TowerModel(kind), [sharder], torch.distributed.group.WORLD)
     torch.manual_seed(0)
-    init = {k.split(".embedding_bags.")[1]: v for k, v in TowerModel(collection).state_dict().items()
-            if ".embedding_bags." in k}
+    init = {".".join(k.split(".")[-2:]): v for k, v in TowerModel(kind).state_dict().items()
+            if ".embedding." in k}  # "<table>.weight"
     results = []
     for which in (use_fused(plan), plan):
         torch.manual_seed(0)  # the same interaction weights (TorchRec's DDP renames their keys)
-        dmp = DistributedModelParallel(TowerModel(collection), env=ShardingEnv.from_process_group(
+        dmp = DistributedModelParallel(TowerModel(kind), env=ShardingEnv.from_process_group(
             torch.distributed.group.WORLD), device=torch.device("cpu"), plan=which, sharders=[sharder])
-        _load_tables(dmp, init)
+        _load_tables(dmp, init, tables)
         losses = []
         for step in range(2):
-            loss = pc.loss_fn(dmp(pc.batch(pc.TABLES, step)), step)
+            loss = pc.loss_fn(dmp(pc.batch(tables, step)), step)
             loss.backward()
             dmp.fused_optimizer.step()
             losses.append(loss.item())
         results.append((losses, dmp))
     (fused_losses, fused), (our_losses, ours) = results
-    assert _kernels(ours) and all(type(k) is TritonTBEEmbeddingBag for k in _kernels(ours)), _kernels(ours)
-    assert _kernels(fused) and all(type(k) is BatchedFusedEmbeddingBag for k in _kernels(fused))
+    sequence = kind == "sequence-tower"
+    kernel_types = (TritonTBEEmbedding, BatchedFusedEmbedding) if sequence else (TritonTBEEmbeddingBag,
+                                                                                 BatchedFusedEmbeddingBag)
+    assert _kernels(ours) and all(type(k) is kernel_types[0] for k in _kernels(ours)), _kernels(ours)
+    assert _kernels(fused) and all(type(k) is kernel_types[1] for k in _kernels(fused))
     pc.assert_close(torch.tensor(our_losses), torch.tensor(fused_losses), f"{sharding} losses")
     pc.assert_same_state(ours, fused, f"tower {sharding}")
 
@@ -131,8 +151,8 @@ def test_torchrecs_own_tower_sharder_is_refused_for_our_tables(one_rank, cpu_int
     constraints = {t.name: ParameterConstraints(sharding_types=["table_row_wise"], compute_kernels=["customized_kernel"])
                    for t in pc.TABLES}
     planner = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu"), constraints=constraints)
-    plan = use_triton_tbe(planner.collective_plan(TowerModel(False), [sharder], torch.distributed.group.WORLD))
+    plan = use_triton_tbe(planner.collective_plan(TowerModel("tower"), [sharder], torch.distributed.group.WORLD))
     with pytest.raises(ValueError, match=r"planned on the Triton TBE kernel.*TritonTBEEmbeddingTowerSharder"):
-        DistributedModelParallel(TowerModel(False), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+        DistributedModelParallel(TowerModel("tower"), env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
                                  device=torch.device("cpu"), plan=plan,
                                  sharders=[EmbeddingTowerSharder(fused_params=pc.fused_params(EmbOptimType.EXACT_SGD))])

@@ -12,8 +12,9 @@ never copied into this project.
 * A construction TritonTBE refuses (NotImplementedError: UVM or cache placements, an optimizer or weight
   decay mode it does not have) is rejected as a hypothesis example (`hypothesis.reject`), so the test draws
   another instead of stopping at the first; every refusal is counted by its message and printed at the
-  end (and in `--json`). A test that draws no examples fails on its refusal and is counted "refused", not
-  "failed" (the exit status is 0 when every failure is a refusal). `--no-reject` lets refusals fail tests.
+  end (and in `--json`). A test that draws no examples, or whose every example was refused, fails on its
+  refusals and is counted "refused", not "failed" (the exit status is 0 when every failure is a refusal).
+  `--no-reject` lets refusals fail tests.
 * Deselected by default (`--all` keeps them): the `_v1` tests, which drive FBGEMM's low-level lookup
   functions with the module's private storage (`prepare_inputs`, `weights_offsets`, ...), and the generated
   operator checks (faketensor, schema, autograd_registration, aot_dispatch, pt2_compliant) of FBGEMM's ops.
@@ -114,10 +115,12 @@ class Substitute:
         if report.when == "call" or report.outcome != "passed":
             self.outcomes.setdefault(report.nodeid, report.outcome)
             if report.outcome == "failed":
-                # A test without hypothesis examples to draw again fails on its refusal: "refused", not "failed".
+                # A test that fails on its refusals ("refused", not "failed"): one without hypothesis examples to
+                # draw again, or one whose every example was refused.
                 text = report.longreprtext
-                refused = self.reject_refusals and report.nodeid in self.refusing and (
-                    "UnsatisfiedAssumption" in text or "NotImplementedError: TritonTBE" in text)
+                # Unsatisfiable: hypothesis found every example rejected.
+                refused = self.reject_refusals and report.nodeid in self.refusing and any(
+                    mark in text for mark in ("UnsatisfiedAssumption", "Unsatisfiable", "NotImplementedError: TritonTBE"))
                 self.outcomes[report.nodeid] = "refused" if refused else "failed"
 
     def summary(self) -> dict:
@@ -130,6 +133,29 @@ class Substitute:
         }
 
 
+def pytest_arguments(given: list[str], test_dir: Path, keep_all: bool) -> list[str]:
+    """pytest's arguments: the user's as given (options with their values, paths), the default files when
+    none of them names a path in the test folder, and the deselection joined to the user's ``-k`` (pytest
+    keeps only the last ``-k``)."""
+    out, keyword, i = [], None, 0
+    while i < len(given):
+        arg = given[i]
+        if arg == "-k" and i + 1 < len(given):
+            keyword, i = given[i + 1], i + 2
+            continue
+        if arg.startswith("-k") and len(arg) > 2:
+            keyword = arg[2:]
+        else:
+            out.append(arg)
+        i += 1
+    paths = [a for a in out if not a.startswith("-") and (test_dir / a.split("::")[0]).exists()]
+    if not paths:
+        out += list(DEFAULT_FILES)
+    if not keep_all:
+        keyword = DESELECT if keyword is None else f"({keyword}) and ({DESELECT})"
+    return out + (["-k", keyword] if keyword is not None else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("test_dir", help="FBGEMM's fbgemm_gpu/test folder (from the tag of the installed fbgemm-gpu)")
@@ -138,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reject", action="store_true", help="a refused construction fails its test")
     parser.add_argument("--all", action="store_true", help="keep the _v1 tests and FBGEMM's operator checks")
     parser.add_argument("--json", help="write outcomes, modules built per test and refusals here")
-    parser.epilog = "after --: test files (default: " + ", ".join(DEFAULT_FILES) + ") and pytest options"
+    parser.epilog = "after --: pytest's arguments (test paths in the folder; default: " + ", ".join(DEFAULT_FILES) + ")"
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args, pytest_args = parser.parse_args(argv[:cut]), argv[cut + 1 :]
@@ -155,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     plugin = Substitute(args.examples, not args.fbgemm, not args.no_reject, not torch.cuda.is_available())
     os.chdir(test_dir)
     sys.path.insert(0, str(test_dir))  # FBGEMM's open-source tests import `test_utils` and `tbe.*` from here
-    files = [a for a in pytest_args if a.endswith(".py") or "::" in a] or list(DEFAULT_FILES)
-    options = [a for a in pytest_args if not (a.endswith(".py") or "::" in a)]
-    if not args.all:
-        options += ["-k", DESELECT]
-    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-rfE", *options, *files], plugins=[plugin])
+    rc = pytest.main(["-p", "no:cacheprovider", "-q", "-rfE", *pytest_arguments(pytest_args, test_dir, args.all)],
+                     plugins=[plugin])
     summary = plugin.summary()
     counts = collections.Counter(t["outcome"] for t in summary["tests"].values())
     idle = [t for t, r in summary["tests"].items() if r["outcome"] == "passed" and not r["modules_built"]]

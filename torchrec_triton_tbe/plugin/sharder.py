@@ -251,22 +251,33 @@ class _OurKernelSharder:
     def _resharding_params(self, sharded_module: nn.Module, changed: EmbeddingModuleShardingPlan,
                            env: ShardingEnv) -> EmbeddingModuleShardingPlan:
         """The delta plan of ``DistributedModelParallel.reshard`` with its plain ``customized_kernel`` entries
-        upgraded to ours (``output_sharding_plan_delta`` and hand-made deltas are plain ``ParameterSharding``s),
-        each keeping its table's options. Without it TorchRec's ``update_shards`` would install plain
-        entries, which ``_initialize_torch_state`` and the lookups do not take for ours. Resharding moves
-        shards: a delta that would move a table onto or off our kernel is refused before anything moves
-        (TorchRec keeps the table's kernel parameters from the first sharding)."""
+        (a hand-made delta's, or ``output_sharding_plan_delta``'s from a plain plan) upgraded to ours with
+        their table's options. Without it TorchRec's ``update_shards`` would install plain entries, which
+        ``_initialize_torch_state`` and the lookups do not take for ours. Resharding moves shards and keeps
+        what TorchRec derived from the first sharding (the kernel and its parameters), so a delta that names
+        a table the module does not have, moves a table onto or off our kernel, or gives one of ours other
+        options is refused before anything moves."""
         before = sharded_module.module_sharding_plan
+        unknown = sorted(set(changed) - set(before))
+        if unknown:
+            raise KeyError(f"Triton TBE kernel: the resharding delta names tables {unknown} that this module does not "
+                           f"have ({sorted(before)})")
         out = type(changed)()
         for table, ps in changed.items():
-            old = before.get(table)
-            was_ours = old is not None and is_triton_tbe_sharding(old)
+            old = before[table]
+            was_ours = is_triton_tbe_sharding(old)
             out[table] = self._upgrade(table, ps, old.options if was_ours else None)
-            if old is not None and was_ours != is_triton_tbe_sharding(out[table]):
+            if was_ours != is_triton_tbe_sharding(out[table]):
                 raise NotImplementedError(
                     f"Triton TBE kernel: resharding table {table!r} from compute kernel {old.compute_kernel!r} to "
                     f"{ps.compute_kernel!r}: reshard moves shards and keeps each table's kernel; to change kernels, "
                     "load a checkpoint into a model planned with use_triton_tbe / use_fused (docs/torchrec.md)"
+                )
+            if was_ours and out[table].options != old.options:
+                raise NotImplementedError(
+                    f"Triton TBE kernel: resharding table {table!r} with options {out[table].options} (planned with "
+                    f"{old.options}): reshard keeps the kernel TorchRec built with the first options; give the "
+                    "delta plain entries or the table's own options"
                 )
         self._our_params(dict(out), env)  # the same refusals as shard()'s
         return out
