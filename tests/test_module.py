@@ -101,8 +101,10 @@ def test_plain_attributes_have_fbgemms_types(output_dtype):
     assert type(ours.output_dtype) is type(fb.output_dtype) is int
     assert ours.output_dtype == fb.output_dtype and SparseType.from_int(ours.output_dtype) == output_dtype
     for name in ("weights_precision", "pooling_mode", "optimizer", "stochastic_rounding", "bounds_check_mode_int",
-                 "feature_table_map", "table_names", "total_D", "max_D", "current_device"):
+                 "feature_table_map", "table_names", "total_D", "max_D", "current_device", "mixed_D", "is_nobag",
+                 "total_hash_size"):
         assert getattr(ours, name) == getattr(fb, name), name
+    assert list(ours.dims) == list(fb.dims)  # FBGEMM's is the tuple zip gives, annotated list[int]
     other = make_pair(SPECS, oracle="reference")[0]
     assert isinstance(ours.uuid, str) and isinstance(fb.uuid, str) and ours.uuid != other.uuid
 
@@ -701,6 +703,15 @@ def test_reset_embedding_weight_momentum_rejects_bad_ids_before_writing(pruned, 
     with pytest.raises((IndexError, ValueError), match=match):
         tbe.reset_embedding_weight_momentum(torch.tensor(pruned), torch.tensor(offsets), tables_t, buffers_t)
     assert all(torch.equal(getattr(tbe, k), v) for k, v in before.items())
+
+
+def test_torchscript_is_refused_with_a_clear_error():
+    """FBGEMM's module can be TorchScripted; ours launches Triton kernels from Python and cannot. The error names
+    the way out (TorchScript's own, raised deep in its compiler, did not)."""
+    m = TritonTBE(SPECS, device="cpu")
+    for target in (m, torch.nn.Sequential(m)):
+        with pytest.raises(NotImplementedError, match="cannot be TorchScripted.*torch.compile"):
+            torch.jit.script(target)
 
 
 def test_torch_compile_runs_the_module_eagerly_between_graphs():

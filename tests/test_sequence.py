@@ -49,6 +49,25 @@ def test_output_layout_and_lookups_outside_every_bag():
     assert torch.equal(out[4], w[1][0]) and torch.equal(out[8], w[2][24])
 
 
+@pytest.mark.parametrize("features", [1, 2, 3])
+def test_few_features_and_lookups_outside_every_bag(features):
+    """One to three features, the feature search's two steps (kernels/sequence.py: a lookup is live while it lies
+    before the last feature's end, offsets[T*B]); lookups before offsets[0] and past offsets[-1] are zeros."""
+    from torchrec_triton_tbe._fbgemm import BoundsCheckMode
+
+    specs, ftm = [(30, 8)] * features, list(range(features))
+    ours, ref = make_pair(specs, ftm, oracle="reference", pooling_mode=NONE, bounds_check_mode=BoundsCheckMode.NONE)
+    B = 2
+    lengths = torch.tensor([1, 2, 0, 3, 2, 1])[: features * B]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]) + 1  # position 0 in no bag
+    n = int(offsets[-1]) + 2  # the last two in no bag
+    indices = torch.arange(n) * 7 % 30
+    out = ours.forward(indices, offsets)
+    assert out.shape == (n, 8)
+    assert_close(out, ref.forward(indices, offsets).float(), f"sequence output, {features} features", atol=0, rtol=0)
+    assert not out[0].any() and not out[-2:].any() and out[1:-2].abs().sum(1).gt(0).all()
+
+
 def test_gradient_reaches_exactly_its_row():
     ours, _ = make_pair([(6, 4)], oracle="reference", optimizer=EmbOptimType.EXACT_SGD, learning_rate=1.0,
                         pooling_mode=NONE)

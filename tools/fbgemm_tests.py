@@ -15,6 +15,8 @@ never copied into this project.
   end (and in `--json`). A test that draws no examples, or whose every example was refused, fails on its
   refusals and is counted "refused", not "failed" (the exit status is 0 when every failure is a refusal).
   `--no-reject` lets refusals fail tests.
+* FBGEMM's GPU tests TorchScript the module (`torch.jit.script(cc)`); TritonTBE launches Triton kernels from
+  Python and refuses TorchScript, so there `torch.jit.script` hands a TritonTBE back unscripted.
 * Deselected by default (`--all` keeps them): the `_v1` tests, which drive FBGEMM's low-level lookup
   functions with the module's private storage (`prepare_inputs`, `weights_offsets`, ...), and the generated
   operator checks (faketensor, schema, autograd_registration, aot_dispatch, pt2_compliant) of FBGEMM's ops.
@@ -72,6 +74,7 @@ class Substitute:
         settings.load_profile("fbgemm_tests")
 
     def pytest_collection_modifyitems(self, session, config, items):
+        import torch
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
         from torchrec_triton_tbe import TritonTBE
@@ -99,6 +102,15 @@ class Substitute:
 
             return fast_gradcheck
 
+        if self.ours:
+            # FBGEMM's GPU tests TorchScript the module (torch.jit.script(cc)); ours cannot be scripted (it
+            # launches Triton kernels from Python and refuses), so those tests use it unscripted.
+            script = torch.jit.script
+
+            def unscripted(obj, *args, **kwargs):
+                return obj if isinstance(obj, TritonTBE) else script(obj, *args, **kwargs)
+
+            torch.jit.script = unscripted
         for name, module in list(sys.modules.items()):
             if not name.startswith("tbe.") or module is None:
                 continue

@@ -233,13 +233,17 @@ def drive_module(exhaustive: bool = False, kernel_config=None) -> dict:
                             m(long_indices.clone(), long_offsets.clone(), long_psw)
                     except ValueError:
                         continue  # as above
-            # Sequence lookups (PoolingMode.NONE: one D per module), each width of the layout.
+            # Sequence lookups (PoolingMode.NONE: one D per module), each width of the layout, with 1, 2, 3
+            # and T features (the feature search's step counts, bit lengths of features + 1: Triton 3.6 failed at
+            # two steps, one to three features, once).
             for v, (wp, d) in enumerate(itertools.product(dtypes, sorted({d for _, d in layout}))):
-                m = TritonTBE([(7, d)] * T, weights_precision=wp, output_dtype=dtypes[v % 3], device="cpu",
+                features = (T, 1, 2, 3)[v % 4]
+                m = TritonTBE([(7, d)] * features, weights_precision=wp, output_dtype=dtypes[v % 3], device="cpu",
                               pooling_mode=PoolingMode.NONE, optimizer=optims[v % 2],
                               embedding_table_index_type=[torch.int64, torch.int32][v % 2],
                               kernel_config=long_paths[v % len(long_paths)])
-                out = m(indices.clone(), offsets.clone())
+                seq_offsets = offsets[: features * B + 1].clone()
+                out = m(indices[: int(seq_offsets[-1])].clone(), seq_offsets)
                 out.backward(torch.ones_like(out))
             # Variable batch per feature (VBE: the per-bag output table), pooled modes, weighted or not.
             sizes = [[B // 2, B // 4]] * T

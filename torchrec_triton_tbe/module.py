@@ -194,6 +194,11 @@ class TritonTBE(nn.Module):
             # sequence output has one row width.
             raise ValueError(f"TritonTBE: pooling_mode=NONE needs one embedding dim for every table, got {plan.dims}")
         self.feature_table_map = list(plan.feature_table_map)
+        # FBGEMM's descriptive attributes, which its tests and code written against it read.
+        self.dims: list = [int(s[1]) for s in specs]  # per table
+        self.mixed_D: bool = len(set(self.dims)) > 1
+        self.is_nobag: bool = pooling_mode == PoolingMode.NONE
+        self.total_hash_size: int = sum(int(s[0]) for s in specs)
         self.table_names = table_names
         self.optimizer = optimizer
         self.pooling_mode = pooling_mode
@@ -370,6 +375,13 @@ class TritonTBE(nn.Module):
         self._last_stream = LastStream()  # a stream of the old device: nothing to wait for here
         # Its capture stream belongs to the old device (and entering it would make that device current).
         self._backward_graphs = BackwardGraphs()
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: without it TorchScript fails deep in its compiler, unclearly.
+        raise NotImplementedError(
+            "TritonTBE cannot be TorchScripted: it launches Triton kernels from Python. Run it eagerly, or in a "
+            "model under torch.compile (its forward runs eagerly between the compiled graphs)"
+        )
 
     # ------------------------------------------------------------------ forward
     # torch.compile: dynamo cannot trace the launches (our launch cache calls Triton's launcher directly;

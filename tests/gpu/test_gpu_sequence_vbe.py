@@ -63,6 +63,24 @@ def test_sequence_matches_fbgemm_cuda(optimizer, weights, index_dtype):
     compare(ours, fb, weights, f"sequence {optimizer.name}")
 
 
+@pytest.mark.parametrize("features", [1, 2, 3, 5])
+@pytest.mark.parametrize("dim", [250, 128])
+def test_sequence_forward_compiles_and_matches_for_few_features(features, dim):
+    """Feature counts for the feature search's step counts (2 and 3 steps), an odd and an even D: the
+    sequence forward with one to three features failed to compile on Triton 3.6 (FBGEMM's own
+    backward_optimizers test found it: T=2, D=250, int64 ids), and kernels/sequence.py now avoids the pattern."""
+    specs, ftm = [(500, dim)] * features, list(range(features))
+    ours, fb = pair(specs, ftm, pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32, optimizer=SGD,
+                    learning_rate=0.05, embedding_table_index_type=torch.int64)
+    idx, off = skewed([500] * features, [43] * features, features)
+    o1, o2 = ours(idx.clone(), off.clone()), fb(idx.clone(), off.clone())
+    torch.testing.assert_close(o1, o2, **TOL[SparseType.FP32])
+    grad = torch.randn_like(o1)
+    o1.backward(grad)
+    o2.backward(grad)
+    compare(ours, fb, SparseType.FP32, f"sequence T={features} D={dim}")
+
+
 VBE_SPECS, VBE_FTM = SPECS, FTM
 SIZES = [[700, 300], [64, 900], [512, 0], [3, 1000], [256, 256]]
 

@@ -42,7 +42,7 @@ def _sequence_forward_kernel(
         table of a sequence module has the same D, as in FBGEMM).
     indices_ptr: [N] ids; offsets_ptr: [T*B + 1], feature t owns lookups [offsets[t*B], offsets[(t+1)*B]).
     out_ptr: [N, D] output.
-    SEARCH_STEPS: bit length of T (binary search steps over the T + 1 feature starts).
+    SEARCH_STEPS: bit length of T + 1 (binary search steps over the T + 1 feature starts).
     count_ptr, count_saved_ptr, ADVANCE: the step count (forward.py's kernel).
     """
     if ADVANCE:
@@ -58,8 +58,12 @@ def _sequence_forward_kernel(
         lo = tl.where(go, mid, lo)
         hi = tl.where((hi - lo > 1) & ~go, mid, hi)
     first = tl.load(offsets_ptr).to(tl.int64)
-    live = pmask & (p >= first) & (lo < T)
-    t = tl.where(live, lo, 0)
+    # live and t without the search's lo in an i1 or a select: Triton 3.6 (the GPU image's) mislays their
+    # layout at SEARCH_STEPS 2 (one to three features) and fails to compile (TritonGPURemoveLayoutConversions).
+    # lo < T is p < offsets[T*B]; a lane past the last bag has lo = T, and its loads are masked.
+    end = tl.load(offsets_ptr + (tl.full([], 0, tl.int64) + T) * B).to(tl.int64)
+    live = pmask & (p >= first) & (p < end)
+    t = tl.minimum(lo, T - 1)
     idx = tl.load(indices_ptr + p, mask=live, other=0).to(tl.int64)
     D = (D // ALIGN) * ALIGN
     cols = tl.arange(0, BLOCK_D)
