@@ -64,11 +64,13 @@ def test_sequence_matches_fbgemm_cuda(optimizer, weights, index_dtype):
 
 
 @pytest.mark.parametrize("features", [1, 2, 3, 5])
-@pytest.mark.parametrize("dim", [250, 128])
+@pytest.mark.parametrize("dim", [252, 128])  # FBGEMM's CUDA TBE takes multiples of 4 only
 def test_sequence_forward_compiles_and_matches_for_few_features(features, dim):
     """Feature counts for the feature search's step counts (2 and 3 steps), an odd and an even D: the
     sequence forward with one to three features failed to compile on Triton 3.6 (FBGEMM's own
-    backward_optimizers test found it: T=2, D=250, int64 ids), and kernels/sequence.py now avoids the pattern."""
+    backward_optimizers test found it: T=2, D=250, int64 ids), and kernels/sequence.py now avoids the pattern.
+    At 9a3632c on an H100: D=128 passed for every count; D=250 was refused by FBGEMM's CUDA TBE (not a multiple of
+    4), hence 252 (not yet run)."""
     specs, ftm = [(500, dim)] * features, list(range(features))
     ours, fb = pair(specs, ftm, pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32, optimizer=SGD,
                     learning_rate=0.05, embedding_table_index_type=torch.int64)
