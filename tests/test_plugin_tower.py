@@ -148,8 +148,8 @@ def test_torchrecs_own_tower_sharder_is_refused_for_our_tables(one_rank, cpu_int
     from torchrec.distributed.embedding_tower_sharding import EmbeddingTowerSharder
 
     sharder = TritonTBEEmbeddingTowerSharder(fused_params=pc.fused_params(EmbOptimType.EXACT_SGD))
-    constraints = {t.name: ParameterConstraints(sharding_types=["table_row_wise"], compute_kernels=["customized_kernel"])
-                   for t in pc.TABLES}
+    constraints = {t.name: ParameterConstraints(sharding_types=["table_row_wise"],
+                                                compute_kernels=["customized_kernel"]) for t in pc.TABLES}
     planner = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu"), constraints=constraints)
     plan = use_triton_tbe(planner.collective_plan(TowerModel("tower"), [sharder], torch.distributed.group.WORLD))
     with pytest.raises(ValueError, match=r"planned on the Triton TBE kernel.*TritonTBEEmbeddingTowerSharder"):

@@ -132,7 +132,8 @@ class Substitute:
                 text = report.longreprtext
                 # Unsatisfiable: hypothesis found every example rejected.
                 refused = self.reject_refusals and report.nodeid in self.refusing and any(
-                    mark in text for mark in ("UnsatisfiedAssumption", "Unsatisfiable", "NotImplementedError: TritonTBE"))
+                    mark in text
+                    for mark in ("UnsatisfiedAssumption", "Unsatisfiable", "NotImplementedError: TritonTBE"))
                 self.outcomes[report.nodeid] = "refused" if refused else "failed"
 
     def summary(self) -> dict:
@@ -169,7 +170,8 @@ def pytest_arguments(given: list[str], test_dir: Path, keep_all: bool) -> list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("test_dir", help="FBGEMM's fbgemm_gpu/test folder (from the tag of the installed fbgemm-gpu)")
     parser.add_argument("--examples", type=int, default=8, help="hypothesis examples per test (FBGEMM's: 40 / 15)")
     parser.add_argument("--fbgemm", action="store_true", help="baseline: FBGEMM's own module under test")

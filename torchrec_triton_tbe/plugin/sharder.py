@@ -236,7 +236,8 @@ class _OurKernelSharder:
                 )
         return params
 
-    def _upgrade(self, table: str, ps: ParameterSharding, options: Optional[TritonTBEOptions] = None) -> ParameterSharding:
+    def _upgrade(self, table: str, ps: ParameterSharding,
+                 options: Optional[TritonTBEOptions] = None) -> ParameterSharding:
         if ps.compute_kernel != CUSTOMIZED or isinstance(ps, TritonTBEParameterSharding):
             return ps
         if hasattr(ps, "get_additional_fused_params"):
